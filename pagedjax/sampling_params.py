@@ -1,0 +1,143 @@
+"""SamplingParams: vLLM's field names, defaults, meanings and validation.
+
+Each field means what vLLM's documentation says it means (and OpenAI's, where OpenAI defines
+the field). Out-of-range values raise `ValueError` naming the field.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import enum
+from typing import Any
+
+_SAMPLING_EPS = 1e-5
+
+
+class RequestOutputKind(enum.Enum):
+    """What `RequestOutput`s carry while a request runs (vLLM's names)."""
+
+    CUMULATIVE = 0  # the whole output so far, every step
+    DELTA = 1  # only what is new since the last output
+    FINAL_ONLY = 2  # one output, when the request finishes
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    """How to sample one request's output.
+
+    Attributes (vLLM's defaults):
+        n: number of output sequences for the prompt.
+        presence_penalty: [-2, 2]; added once per distinct token already in the output.
+        frequency_penalty: [-2, 2]; added per occurrence of a token in the output.
+        repetition_penalty: > 0; 1 disables; divides positive (multiplies negative) logits of
+            tokens in the prompt or output (Keskar et al., CTRL, 2019).
+        temperature: >= 0; 0 (below 1e-5) is greedy.
+        top_p: (0, 1]; nucleus sampling mass; 1 disables.
+        top_k: 0 or -1 disables; else keep the k most likely tokens.
+        min_p: [0, 1]; drop tokens less likely than min_p times the most likely one.
+        seed: per-request seed; same seed, same draws, whatever the batch.
+        stop: strings that end the output (not included unless include_stop_str_in_output).
+        stop_token_ids: token ids that end the output (the token is kept in token_ids).
+        bad_words: words never to generate.
+        include_stop_str_in_output: keep the stop string in the text.
+        ignore_eos: keep generating after EOS.
+        max_tokens: output tokens at most (None: up to max_model_len).
+        min_tokens: output tokens before EOS, stop_token_ids or stop strings may end it.
+        logprobs: number of top logprobs per output token (plus the sampled token's).
+        prompt_logprobs: number of top logprobs per prompt token.
+        detokenize: produce text.
+        skip_special_tokens: leave special tokens out of the text.
+        spaces_between_special_tokens: put spaces between special tokens in the text.
+        logit_bias: token id -> bias added to its logit.
+        allowed_token_ids: if set, only these tokens can be sampled.
+        truncate_prompt_tokens: keep only the last k prompt tokens (-1: up to max_model_len).
+        output_kind: what intermediate outputs carry (see RequestOutputKind).
+    """
+
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    extra_args: dict[str, Any] | None = None
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias is not None:
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        self._verify()
+
+    def _verify(self) -> None:
+        def bad(field: str, rule: str) -> ValueError:
+            return ValueError(f"{field} must be {rule}, got {getattr(self, field)!r}")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            raise bad("n", "an integer >= 1")
+        for f in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, f) <= 2.0:
+                raise bad(f, "in [-2, 2]")
+        if not self.repetition_penalty > 0.0:
+            raise bad("repetition_penalty", "> 0")
+        if not self.temperature >= 0.0:
+            raise bad("temperature", ">= 0")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", "in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise bad("top_k", "0 or -1 (disabled), or an integer >= 1")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", "in [0, 1]")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise bad("seed", "an integer or None")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            raise bad("max_tokens", "an integer >= 1 (or None)")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise bad("min_tokens", "an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
+            )
+        for f in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, f)
+            if v is not None and (not isinstance(v, int) or v < 0):
+                raise bad(f, "an integer >= 0 (or None)")
+        if self.truncate_prompt_tokens is not None and (
+            self.truncate_prompt_tokens == 0 or self.truncate_prompt_tokens < -1
+        ):
+            raise bad("truncate_prompt_tokens", "-1 or an integer >= 1 (or None)")
+        if any(not s for s in self.stop):
+            raise ValueError("stop must not contain an empty string")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "a list of token ids >= 0")
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise ValueError("allowed_token_ids must not be empty")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < _SAMPLING_EPS
+
+    def clone(self) -> SamplingParams:
+        return copy.deepcopy(self)

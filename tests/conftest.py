@@ -1,0 +1,170 @@
+"""Shared fixtures: tiny random Llama-family checkpoints (written with transformers, saved as
+safetensors with a byte-level tokenizer), their torch reference models, and engine factories
+that share one persistent compilation cache per test session."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+TINY_VOCAB = 320  # 256 byte tokens + 3 specials, the rest unused
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def make_tokenizer(folder: Path) -> None:
+    """A byte-level BPE tokenizer without merges: every byte is a token (ids 3..258)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2}
+    for ch in sorted(alphabet):
+        vocab[ch] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(folder))
+
+
+def make_checkpoint(folder: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
+    """Writes a tiny random checkpoint of `arch` ("llama", "qwen2", "mistral") to `folder`."""
+    import torch
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
+
+    classes = {
+        "llama": (LlamaConfig, LlamaForCausalLM),
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+        "mistral": (MistralConfig, MistralForCausalLM),
+    }
+    config_cls, model_cls = classes[arch]
+    kw = dict(
+        vocab_size=TINY_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        initializer_range=0.1,
+    )
+    if arch == "mistral":
+        kw["head_dim"] = 16
+        kw["sliding_window"] = None
+    kw.update(overrides)
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**kw)).eval()
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(folder), safe_serialization=True)
+    make_tokenizer(folder)
+    return folder
+
+
+def hf_model(folder: Path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """Hugging Face greedy decoding (EOS ignored), the reference for engine outputs."""
+    import torch
+
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.fixture(scope="session")
+def compile_cache_dir(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("xla-cache"))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_hf(tiny_llama_dir):
+    return hf_model(tiny_llama_dir)
+
+
+@pytest.fixture(scope="session")
+def prompts8() -> list[list[int]]:
+    """Eight prompts of different lengths (1 to 90 tokens) over the byte tokens."""
+    rng = np.random.default_rng(1234)
+    return [rng.integers(3, 259, size=n).tolist() for n in (1, 5, 16, 17, 33, 47, 64, 90)]
+
+
+@pytest.fixture(scope="session")
+def hf_greedy_cache(tiny_hf):
+    """Memoised HF greedy outputs of the tiny model: (prompt tuple, n) -> tokens."""
+    cache: dict = {}
+
+    def get(prompt: list[int], n: int) -> list[int]:
+        key = (tuple(prompt), n)
+        if key not in cache:
+            cache[key] = hf_greedy(tiny_hf, prompt, n)
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def make_llm(compile_cache_dir):
+    """Factory for engines on a tiny checkpoint, sharing the session's compilation cache."""
+    from pagedjax import LLM
+
+    def make(model, **kw):
+        args = dict(
+            dtype="float32",
+            max_model_len=128,
+            max_num_batched_tokens=64,
+            max_num_seqs=16,
+            compilation_cache_dir=compile_cache_dir,
+            use_tqdm_on_load=False,
+            disable_log_stats=True,
+        )
+        args.update(kw)
+        return LLM(str(model), **args)
+
+    return make
+
+
+def read_json(path: Path):
+    with open(path) as f:
+        return json.load(f)

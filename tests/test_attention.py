@@ -1,0 +1,131 @@
+"""Ragged paged attention: the XLA path against the jnp reference over a grid of shapes, and
+the reference against a dense NumPy softmax computed independently."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pagedjax.engine.input_batch import BatchBuilder, SeqInput
+from pagedjax.ops.attention import AttentionMetadata, ragged_paged_attention
+
+HEAD_DIM = 16
+FIELDS = ("slot_mapping", "positions", "seq_lens", "query_start_loc", "block_tables",
+          "last_token_index", "tile_seq", "tile_q_start", "tile_q_len", "tile_kv_len",
+          "num_tiles")
+
+
+def _case(seqs_spec, block_size, num_kv_heads, group, *, tile=8, chunk_pages=2, seed=0,
+          max_tokens=256):
+    """Random cache + queries for sequences given as (cached_len, query_len)."""
+    rng = np.random.default_rng(seed)
+    num_blocks = 2 + sum(-(-(c + q) // block_size) for c, q in seqs_spec)
+    perm = rng.permutation(np.arange(1, num_blocks))  # scattered block ids; 0 stays null
+    seqs, used = [], 0
+    for cached, q in seqs_spec:
+        nb = -(-(cached + q) // block_size)
+        seqs.append(SeqInput(np.zeros(q, np.int32), cached, perm[used : used + nb].astype(np.int32)))
+        used += nb
+    builder = BatchBuilder(max_num_batched_tokens=max_tokens, max_num_seqs=32, max_model_len=512,
+                           block_size=block_size, query_tile_size=tile, kv_chunk_pages=chunk_pages)
+    layout, buf = builder.build(seqs)
+    a = layout.unpack(buf.copy())
+    md = AttentionMetadata(**{f: jnp.asarray(a[f]) for f in FIELDS}, query_tile_size=tile,
+                           kv_chunk_pages=chunk_pages)
+    T = layout.num_tokens
+    shape = (2, num_blocks, block_size, num_kv_heads, HEAD_DIM)
+    k_cache = jnp.asarray(rng.standard_normal(shape, np.float32))
+    v_cache = jnp.asarray(rng.standard_normal(shape, np.float32))
+    q = jnp.asarray(rng.standard_normal((T, num_kv_heads * group, HEAD_DIM), np.float32))
+    return q, k_cache, v_cache, md, seqs, a
+
+
+@functools.partial(jax.jit, static_argnames=("backend",))
+def _attn(q, k, v, md, backend):
+    return ragged_paged_attention(q, k, v, 1, md, sm_scale=HEAD_DIM**-0.5, backend=backend)
+
+
+def _numpy_dense(q, k_cache, v_cache, seqs, block_size, scale):
+    """Independent dense attention per sequence, from the block ids and lengths alone."""
+    out = np.zeros(q.shape, np.float32)
+    t0 = 0
+    K = k_cache.shape[3]
+    G = q.shape[1] // K
+    for s in seqs:
+        n, ctx = len(s.token_ids), s.start + len(s.token_ids)
+        k = np.concatenate([k_cache[1, b] for b in s.block_ids])[:ctx]  # [ctx, K, H]
+        v = np.concatenate([v_cache[1, b] for b in s.block_ids])[:ctx]
+        for i in range(n):
+            pos = s.start + i
+            for h in range(q.shape[1]):
+                sc = k[: pos + 1, h // G] @ q[t0 + i, h] * scale
+                p = np.exp(sc - sc.max())
+                out[t0 + i, h] = (p / p.sum()) @ v[: pos + 1, h // G]
+        t0 += n
+    return out
+
+
+def test_reference_equals_numpy_dense():
+    spec = [(0, 5), (9, 1), (3, 7), (16, 1)]
+    q, k, v, md, seqs, _ = _case(spec, 8, 2, 2)
+    ref = np.asarray(_attn(q, k, v, md, "reference"))
+    dense = _numpy_dense(np.asarray(q), np.asarray(k), np.asarray(v), seqs, 8, HEAD_DIM**-0.5)
+    np.testing.assert_allclose(ref, dense, atol=2e-5)
+    total = sum(n for _, n in spec)
+    assert not ref[total:].any(), "padding rows must be zero"
+
+
+# (cached_len, query_len) per sequence; block-size-relative lengths are filled in below.
+def _grid(bs):
+    return {
+        "decode-ctx-1": [(0, 1)],
+        "decode-edges": [(bs - 2, 1), (bs - 1, 1), (bs, 1), (3 * bs + 5, 1)],
+        "prefill-no-prefix": [(0, bs - 1), (0, bs), (0, bs + 1)],
+        "prefill-with-prefix": [(bs, 3), (bs + 1, 2 * bs + 3), (5, 40)],
+        "mixed": [(7, 1), (0, 37), (2 * bs, 1), (bs - 1, 9), (100, 1)],
+        "long": [(200, 1), (150, 60)],
+    }
+
+
+def _check_xla(spec, block_size, kv_heads, group, **kw):
+    q, k, v, md, _, a = _case(spec, block_size, kv_heads, group, seed=block_size + group, **kw)
+    ref = np.asarray(_attn(q, k, v, md, "reference"))
+    got = np.asarray(_attn(q, k, v, md, "xla"))
+    np.testing.assert_allclose(got, ref, atol=2e-5, rtol=1e-5)
+    total = int(a["query_start_loc"][-1])
+    assert total < q.shape[0], "the case must include padding tokens"
+    assert not got[total:].any(), "padding rows must be zero"
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("kv_heads,group", [(2, 1), (1, 3), (2, 4), (1, 8)])
+def test_xla_matches_reference(block_size, kv_heads, group):
+    """Every case of the grid in one ragged batch (one compilation per shape)."""
+    spec = [s for case in _grid(block_size).values() for s in case]
+    _check_xla(spec, block_size, kv_heads, group, max_tokens=512)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("kv_heads,group", [(2, 1), (1, 3), (2, 4), (1, 8)])
+@pytest.mark.parametrize("case", list(_grid(16)))
+def test_xla_matches_reference_case_by_case(block_size, kv_heads, group, case):
+    _check_xla(_grid(block_size)[case], block_size, kv_heads, group)
+
+
+@pytest.mark.parametrize("tile,chunk_pages", [(1, 1), (4, 3), (32, 8)])
+def test_xla_tiling_parameters_do_not_change_results(tile, chunk_pages):
+    spec = [(0, 33), (12, 1), (40, 17), (0, 1)]
+    q, k, v, md, _, _ = _case(spec, 8, 2, 2, tile=tile, chunk_pages=chunk_pages, seed=7)
+    ref = np.asarray(_attn(q, k, v, md, "reference"))
+    np.testing.assert_allclose(np.asarray(_attn(q, k, v, md, "xla")), ref, atol=2e-5, rtol=1e-5)
+
+
+def test_unknown_backend_is_named():
+    q, k, v, md, _, _ = _case([(0, 2)], 8, 1, 1)
+    with pytest.raises(ValueError, match="flash9"):
+        ragged_paged_attention(q, k, v, 1, md, sm_scale=1.0, backend="flash9")
