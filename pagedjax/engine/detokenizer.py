@@ -9,7 +9,8 @@ Stop strings are searched in the new text only (plus the longest stop string's l
 what came before, so a stop string split across tokens is found). The output ends just
 before the stop string, or just after it with `include_stop_str_in_output`. While streaming,
 the last `len(longest stop) - 1` characters are held back, since they could still turn into
-a stop string; they are released when the request ends another way.
+a stop string; they are released when the request ends another way. Bytes that never
+complete a character are released at the end as the full decode shows them (U+FFFD).
 """
 
 from __future__ import annotations
@@ -45,10 +46,11 @@ class IncrementalDetokenizer:
         self._tokenizer = tokenizer
         self._backend = getattr(tokenizer, "backend_tokenizer", None) if tokenizer else None
         self._stream = None
+        self._context = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
+        self._stopped = False
         if self._backend is not None and params.detokenize:
             self._stream = DecodeStream(
-                ids=list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:]),
-                skip_special_tokens=params.skip_special_tokens,
+                ids=list(self._context), skip_special_tokens=params.skip_special_tokens
             )
 
     def update(self, new_token_ids: list[int]) -> str | None:
@@ -81,9 +83,23 @@ class IncrementalDetokenizer:
                 best_idx, best = idx, s
         if best is None:
             return None
+        self._stopped = True
         end = best_idx + len(best) if self.params.include_stop_str_in_output else best_idx
         self.output_text = self.output_text[:end]
         return best
+
+    def flush(self) -> None:
+        """At the end of a request (not by a stop string): adds what the stream still holds,
+        i.e. trailing bytes that never completed a character, as the full decode shows them."""
+        if self._stream is None or self._stopped:
+            return
+        skip = self.params.skip_special_tokens
+        full = self._tokenizer.decode(self._context + self.token_ids, skip_special_tokens=skip)
+        prefix = self._tokenizer.decode(self._context, skip_special_tokens=skip)
+        if full.startswith(prefix):
+            tail = full[len(prefix) :]
+            if len(tail) > len(self.output_text) and tail.startswith(self.output_text):
+                self.output_text = tail
 
     def get_text(self, finished: bool, delta: bool) -> str:
         """The text to report now: all of it (or only what is new, if `delta`), minus the

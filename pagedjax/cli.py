@@ -1,0 +1,89 @@
+"""The `pagedjax` command: generate text, or answer one chat turn, with the offline engine.
+
+    pagedjax generate "The capital of France is" --max-tokens 16
+    pagedjax chat "What is the capital of France?"
+    pagedjax generate --model ./my-llama --prompt-file prompts.txt --temperature 0.8
+
+Every engine argument is a flag with vLLM's name (`--max-model-len`, `--block-size`, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from pagedjax.config import EngineArgs
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=64, help="Output tokens at most.")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy.")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--n", type=int, default=1, help="Samples per prompt.")
+    g.add_argument("--ignore-eos", action="store_true")
+
+
+def _params(ns):
+    from pagedjax.sampling_params import SamplingParams
+
+    return SamplingParams(n=ns.n, max_tokens=ns.max_tokens, temperature=ns.temperature,
+                          top_p=ns.top_p, top_k=ns.top_k,
+                          ignore_eos=ns.ignore_eos)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedjax", description=__doc__.split("\n")[0])
+    parser.add_argument("--log-level", default="INFO")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="Complete prompts.")
+    gen.add_argument("prompts", nargs="*", help="Prompts (default: read --prompt-file).")
+    gen.add_argument("--prompt-file", help="A file with one prompt per line.")
+    chat = sub.add_parser("chat", help="Answer one chat turn through the chat template.")
+    chat.add_argument("message", help="The user's message.")
+    chat.add_argument("--system", default=None, help="A system prompt.")
+    for p in (gen, chat):
+        _sampling_args(p)
+        EngineArgs.add_cli_args(p.add_argument_group("engine"))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("pagedjax").setLevel(ns.log_level.upper())
+    from pagedjax.llm import LLM
+
+    args = EngineArgs.from_cli_args(ns)
+    try:
+        params = _params(ns)
+        if ns.command == "generate":
+            prompts = list(ns.prompts)
+            if ns.prompt_file:
+                with open(ns.prompt_file) as f:
+                    prompts += [line.rstrip("\n") for line in f if line.strip()]
+            if not prompts:
+                print("pagedjax generate: give prompts or --prompt-file", file=sys.stderr)
+                return 2
+        llm = LLM(**vars(args))
+        if ns.command == "generate":
+            outs = llm.generate(prompts, params)
+            for out in outs:
+                for o in out.outputs:
+                    print(f"{out.prompt!r} -> {o.text!r} ({o.finish_reason})")
+        else:
+            messages = ([{"role": "system", "content": ns.system}] if ns.system else [])
+            messages.append({"role": "user", "content": ns.message})
+            out = llm.chat(messages, params, use_tqdm=False)[0]
+            for o in out.outputs:
+                print(o.text)
+    except ValueError as e:
+        print(f"pagedjax: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,206 @@
+"""The whole offline path on a tiny random Llama (GQA) against Hugging Face transformers:
+greedy outputs token for token, whatever the batch, block size or memory pressure; the pool
+is whole again afterwards; nothing compiles after warm-up; bad input is refused cleanly."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pagedjax import SamplingParams
+from pagedjax.engine.runner import compile_count
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+
+
+def _tokens(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _assert_idle_and_whole(llm):
+    eng = llm.llm_engine
+    assert not eng.has_unfinished_requests()
+    pool = eng.kv_cache_manager.pool
+    assert pool.num_free_blocks == pool.num_usable_blocks, "a block leaked"
+    assert all(c == 0 for c in pool.ref_cnt)
+    assert not eng.runner.requests or all(
+        rid not in eng.scheduler.requests for rid in eng.runner.requests
+    )
+
+
+@pytest.fixture(scope="module")
+def llm16(make_llm, tiny_llama_dir):
+    return make_llm(tiny_llama_dir, block_size=16)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        dict(block_size=16),
+        dict(block_size=4),
+        # 26 blocks of 4 = 104 tokens, just enough for the longest request (90 + 10 tokens):
+        # prompts wait for blocks, and running ones are preempted and recomputed.
+        dict(block_size=4, num_gpu_blocks_override=27, enable_prefix_caching=False),
+    ],
+    ids=["bs16", "bs4", "bs4-small-pool"],
+)
+def test_greedy_batch_matches_hf(make_llm, tiny_llama_dir, prompts8, hf_greedy_cache, config):
+    llm = make_llm(tiny_llama_dir, **config)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts8], GREEDY, use_tqdm=False)
+    for p, got in zip(prompts8, _tokens(outs), strict=True):
+        assert got == hf_greedy_cache(p, 10), f"prompt of {len(p)} tokens"
+    for o in outs:
+        assert o.finished and o.outputs[0].finish_reason == "length"
+    if "num_gpu_blocks_override" in config:
+        stats = llm.llm_engine.scheduler.stats()
+        assert stats.num_preemptions > 0, "the small pool should force preemptions"
+    _assert_idle_and_whole(llm)
+
+
+def test_each_prompt_alone_equals_the_batch(llm16, prompts8):
+    batch = _tokens(llm16.generate([{"prompt_token_ids": p} for p in prompts8], GREEDY,
+                                   use_tqdm=False))
+    for p, want in zip(prompts8, batch, strict=True):
+        alone = llm16.generate({"prompt_token_ids": p}, GREEDY, use_tqdm=False)
+        assert alone[0].outputs[0].token_ids == want
+    _assert_idle_and_whole(llm16)
+
+
+def test_requests_wait_for_blocks_when_the_pool_is_small(make_llm, tiny_llama_dir, prompts8,
+                                                         hf_greedy_cache):
+    """A pool that holds about two sequences at a time: admission has to wait."""
+    llm = make_llm(tiny_llama_dir, block_size=16, num_gpu_blocks_override=9)
+    eng = llm.llm_engine
+    for i, p in enumerate(prompts8):
+        eng.add_request(str(i), {"prompt_token_ids": p}, GREEDY)
+    waited, results = False, {}
+    while eng.has_unfinished_requests():
+        waited |= eng.scheduler.stats().num_waiting_reqs > 0 and bool(eng.scheduler.running)
+        for out in eng.step():
+            if out.finished:
+                results[int(out.request_id)] = out.outputs[0].token_ids
+    assert waited
+    for i, p in enumerate(prompts8):
+        assert results[i] == hf_greedy_cache(p, 10)
+    _assert_idle_and_whole(llm)
+
+
+def test_nothing_compiles_after_warmup(llm16, prompts8):
+    before = compile_count()
+    rng = np.random.default_rng(3)
+    params = [
+        GREEDY,
+        SamplingParams(temperature=0.8, top_p=0.9, max_tokens=7, seed=1),
+        SamplingParams(temperature=1.0, top_k=5, max_tokens=3),
+        SamplingParams(temperature=0.0, max_tokens=1),
+    ]
+    prompts = [{"prompt_token_ids": rng.integers(3, 259, size=n).tolist()}
+               for n in (1, 3, 15, 16, 31, 64, 100, 127)]
+    llm16.generate(prompts, [params[i % 4] for i in range(8)], use_tqdm=False)
+    llm16.generate(prompts[:2], GREEDY, use_tqdm=False)
+    llm16.generate(["some text", "more text!"], params[1], use_tqdm=False)
+    assert compile_count() == before
+    _assert_idle_and_whole(llm16)
+
+
+def test_text_prompts_and_detokenized_output(llm16):
+    tok = llm16.get_tokenizer()
+    out = llm16.generate(["Hello, world", "héllo 世界"], GREEDY, use_tqdm=False)
+    for o, text in zip(out, ["Hello, world", "héllo 世界"], strict=True):
+        assert o.prompt == text
+        assert o.prompt_token_ids == tok(text).input_ids
+        assert o.outputs[0].text == tok.decode(o.outputs[0].token_ids, skip_special_tokens=True)
+
+
+def test_eos_and_stop_token_ids(llm16, hf_greedy_cache, prompts8):
+    p = prompts8[3]
+    ref = hf_greedy_cache(p, 10)
+    stop_at = ref[4]
+    out = llm16.generate({"prompt_token_ids": p},
+                         SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[stop_at]),
+                         use_tqdm=False)[0].outputs[0]
+    k = ref.index(stop_at)
+    assert out.token_ids == ref[: k + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_at
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy(llm16, prompts8, hf_greedy_cache):
+    p = prompts8[5]
+    for params in (SamplingParams(temperature=1.5, top_k=1, max_tokens=10, ignore_eos=True),
+                   SamplingParams(temperature=1.0, top_p=1e-6, max_tokens=10, ignore_eos=True)):
+        out = llm16.generate({"prompt_token_ids": p}, params, use_tqdm=False)
+        assert out[0].outputs[0].token_ids == hf_greedy_cache(p, 10)
+
+
+def test_seeded_sampling_is_reproducible_alone_or_in_a_batch(llm16, prompts8):
+    params = SamplingParams(temperature=1.0, max_tokens=12, seed=42, ignore_eos=True)
+    p = {"prompt_token_ids": prompts8[2]}
+    alone = llm16.generate(p, params, use_tqdm=False)[0].outputs[0].token_ids
+    others = [{"prompt_token_ids": q} for q in prompts8]
+    batch = llm16.generate([*others[:3], p, *others[3:]],
+                           [SamplingParams(temperature=1.0, max_tokens=5)] * 3 + [params]
+                           + [SamplingParams(temperature=0.5, max_tokens=9)] * 5,
+                           use_tqdm=False)
+    assert batch[3].outputs[0].token_ids == alone
+    other_seed = llm16.generate(p, SamplingParams(temperature=1.0, max_tokens=12, seed=43,
+                                                  ignore_eos=True), use_tqdm=False)
+    assert other_seed[0].outputs[0].token_ids != alone
+
+
+def test_n_samples_share_the_prompt(llm16, prompts8):
+    out = llm16.generate({"prompt_token_ids": prompts8[4]},
+                         SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=6),
+                         use_tqdm=False)[0]
+    assert [o.index for o in out.outputs] == [0, 1, 2]
+    assert len({tuple(o.token_ids) for o in out.outputs}) > 1
+    _assert_idle_and_whole(llm16)
+
+
+@pytest.mark.parametrize(
+    "prompt,params,match",
+    [
+        ("", GREEDY, "empty"),
+        ({"prompt_token_ids": []}, GREEDY, "empty"),
+        ({"prompt_token_ids": [5] * 129}, GREEDY, "max_model_len=128"),
+        ({"prompt_token_ids": [5, 100000]}, GREEDY, "vocabulary"),
+        (3.5, GREEDY, "prompt must be"),
+        ("hi", SamplingParams(presence_penalty=0.5), "presence_penalty"),
+    ],
+)
+def test_bad_input_is_a_value_error_and_the_engine_keeps_serving(
+    llm16, prompts8, hf_greedy_cache, prompt, params, match
+):
+    with pytest.raises(ValueError, match=match):
+        llm16.generate([{"prompt_token_ids": prompts8[0]}, prompt], params, use_tqdm=False)
+    _assert_idle_and_whole(llm16)
+    out = llm16.generate({"prompt_token_ids": prompts8[1]}, GREEDY, use_tqdm=False)
+    assert out[0].outputs[0].token_ids == hf_greedy_cache(prompts8[1], 10)
+
+
+def test_bad_engine_and_sampling_arguments_name_the_field(make_llm, tiny_llama_dir):
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0)
+    with pytest.raises(ValueError, match="not_an_arg"):
+        make_llm(tiny_llama_dir, not_an_arg=1)
+    with pytest.raises(ValueError, match="block_size"):
+        make_llm(tiny_llama_dir, block_size=12)
+    with pytest.raises(ValueError, match="max_model_len"):
+        make_llm(tiny_llama_dir, max_model_len=10_000)
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        make_llm(tiny_llama_dir, gpu_memory_utilization=1.5)
+
+
+def test_abort_frees_blocks_mid_run(llm16, prompts8):
+    eng = llm16.llm_engine
+    for i, p in enumerate(prompts8):
+        eng.add_request(f"a{i}", {"prompt_token_ids": p}, GREEDY)
+    eng.step()
+    eng.step()
+    eng.abort_request([f"a{i}" for i in range(0, 8, 2)])
+    while eng.has_unfinished_requests():
+        eng.step()
+    _assert_idle_and_whole(llm16)

@@ -1,0 +1,64 @@
+"""Host-side batch building: a hand-computed step, bucket choice, and the packed layout."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pagedjax.engine.input_batch import BatchBuilder, SeqInput, token_buckets
+
+
+def test_token_buckets():
+    assert token_buckets(64) == [16, 32, 64]
+    assert token_buckets(100) == [16, 32, 64, 100]
+    assert token_buckets(8) == [8]
+
+
+def test_hand_computed_step():
+    b = BatchBuilder(max_num_batched_tokens=32, max_num_seqs=4, max_model_len=64, block_size=4,
+                     query_tile_size=2, kv_chunk_pages=2)
+    seqs = [
+        SeqInput(np.array([7], np.int32), start=5, block_ids=np.array([3, 9], np.int32),
+                 temperature=0.0, seed=1),  # decode of its 6th token
+        SeqInput(np.array([1, 2, 3], np.int32), start=4, block_ids=np.array([2, 5], np.int32),
+                 temperature=0.7, top_p=0.9, top_k=4, seed=2**40 + 5, token_index=0),
+    ]
+    layout, buf = b.build(seqs)
+    assert (layout.num_tokens, layout.num_seqs, layout.num_block_cols) == (16, 4, 16)
+    v = layout.views(buf)
+    np.testing.assert_array_equal(v["input_ids"][:4], [7, 1, 2, 3])
+    np.testing.assert_array_equal(v["positions"][:4], [5, 4, 5, 6])
+    # slot = block_ids[pos // 4] * 4 + pos % 4
+    np.testing.assert_array_equal(v["slot_mapping"][:4], [9 * 4 + 1, 5 * 4 + 0, 5 * 4 + 1, 5 * 4 + 2])
+    assert not v["slot_mapping"][4:].any() and not v["input_ids"][4:].any()
+    np.testing.assert_array_equal(v["seq_lens"], [6, 7, 0, 0])
+    np.testing.assert_array_equal(v["query_start_loc"], [0, 1, 4, 4, 4])
+    np.testing.assert_array_equal(v["last_token_index"], [0, 3, 16, 16])
+    np.testing.assert_array_equal(v["block_tables"][0, :3], [3, 9, 0])
+    np.testing.assert_array_equal(v["block_tables"][1, :3], [2, 5, 0])
+    # The 3-token sequence is cut into tiles of 2 and 1 queries.
+    assert int(v["num_tiles"]) == 2
+    np.testing.assert_array_equal(v["tile_seq"][:2], [1, 1])
+    np.testing.assert_array_equal(v["tile_q_start"][:2], [1, 3])
+    np.testing.assert_array_equal(v["tile_q_len"][:2], [2, 1])
+    np.testing.assert_array_equal(v["tile_kv_len"][:2], [6, 7])
+    np.testing.assert_allclose(v["temperature"].view(np.float32), [0.0, 0.7, 0.0, 0.0])
+    np.testing.assert_allclose(v["top_p"].view(np.float32), [1.0, 0.9, 1.0, 1.0])
+    np.testing.assert_array_equal(v["top_k"], [0, 4, 0, 0])
+    np.testing.assert_array_equal(v["seed"], [1, 5, 0, 0])  # the low 32 bits
+
+
+def test_buffer_reuse_clears_the_previous_step():
+    b = BatchBuilder(max_num_batched_tokens=32, max_num_seqs=4, max_model_len=64, block_size=4)
+    b.build([SeqInput(np.arange(10, dtype=np.int32), 0, np.arange(1, 4, dtype=np.int32))])
+    layout, buf = b.build([SeqInput(np.array([5], np.int32), 2, np.array([8], np.int32))])
+    v = layout.views(buf)
+    assert not v["input_ids"][1:].any() and not v["block_tables"][0, 1:].any()
+
+
+def test_too_many_tokens_or_sequences():
+    b = BatchBuilder(max_num_batched_tokens=16, max_num_seqs=2, max_model_len=64, block_size=4)
+    with pytest.raises(ValueError, match="max_num_batched_tokens=16"):
+        b.build([SeqInput(np.zeros(17, np.int32), 0, np.arange(1, 6, dtype=np.int32))])
+    with pytest.raises(ValueError, match="max_num_seqs=2"):
+        b.build([SeqInput(np.zeros(1, np.int32), 0, np.array([1], np.int32))] * 3)

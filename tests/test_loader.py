@@ -1,0 +1,210 @@
+"""Checkpoint loading: sharded safetensors, GGUF (with llama.cpp's Q/K row order), dtype
+conversion, orbax round trips, and errors that name the file or tensor at fault."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import make_checkpoint
+
+from pagedjax.models import loader
+from pagedjax.models.llama import param_shapes
+
+
+def _load(path, dtype="float32"):
+    source = loader.resolve_model_source(str(path))
+    cfg = loader.load_arch_config(source)
+    return cfg, loader.load_params(source, cfg, dtype)
+
+
+def _flat(params):
+    return {jax.tree_util.keystr(k): np.asarray(v) for k, v in
+            jax.tree_util.tree_leaves_with_path(params)}
+
+
+def _assert_same(a, b):
+    fa, fb = _flat(a), _flat(b)
+    assert fa.keys() == fb.keys()
+    for k in fa:
+        np.testing.assert_array_equal(fa[k], fb[k], err_msg=k)
+
+
+def test_params_follow_hf_weights(tiny_llama_dir):
+    from safetensors.numpy import load_file
+
+    cfg, params = _load(tiny_llama_dir)
+    raw = load_file(str(tiny_llama_dir / "model.safetensors"))
+    np.testing.assert_array_equal(params["embed_tokens"], raw["model.embed_tokens.weight"])
+    np.testing.assert_array_equal(params["layers"]["q_proj"][1],
+                                  raw["model.layers.1.self_attn.q_proj.weight"].T)
+    np.testing.assert_array_equal(params["lm_head"], raw["lm_head.weight"].T)
+    shapes = jax.tree.map(lambda x: x.shape, params)
+    assert shapes == param_shapes(cfg)
+
+
+def test_sharded_checkpoint_with_index(tmp_path, tiny_llama_dir):
+    from safetensors.numpy import load_file, save_file
+
+    raw = load_file(str(tiny_llama_dir / "model.safetensors"))
+    out = tmp_path / "sharded"
+    out.mkdir()
+    shutil.copy(tiny_llama_dir / "config.json", out)
+    names = sorted(raw)
+    shards = [names[: len(names) // 2], names[len(names) // 2 :]]
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        fname = f"model-0000{i + 1}-of-00002.safetensors"
+        save_file({n: raw[n] for n in shard}, str(out / fname))
+        weight_map.update({n: fname for n in shard})
+    (out / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    _assert_same(_load(out)[1], _load(tiny_llama_dir)[1])
+    (out / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(ValueError, match="model-00002-of-00002.safetensors"):
+        _load(out)
+
+
+@pytest.mark.parametrize(
+    "edit,match",
+    [
+        (lambda t: t.pop("model.layers.1.mlp.up_proj.weight"), r"layers/up_proj \(layers \[1\]\)"),
+        (lambda t: t.pop("model.norm.weight"), "final_norm"),
+        (lambda t: t.__setitem__("model.layers.0.mlp.up_proj.weight", np.zeros((3, 3), np.float32)),
+         "model.layers.0.mlp.up_proj.weight.*shape"),
+        (lambda t: t.__setitem__("model.layers.0.mystery.weight", np.zeros(3, np.float32)),
+         "model.layers.0.mystery.weight"),
+        (lambda t: t.__setitem__("model.layers.7.mlp.up_proj.weight", np.zeros((128, 64), np.float32)),
+         "layer 7"),
+    ],
+    ids=["missing-layer", "missing-global", "wrong-shape", "unknown", "layer-out-of-range"],
+)
+def test_bad_checkpoints_name_the_tensor(tmp_path, tiny_llama_dir, edit, match):
+    from safetensors.numpy import load_file, save_file
+
+    raw = dict(load_file(str(tiny_llama_dir / "model.safetensors")))
+    edit(raw)
+    out = tmp_path / "bad"
+    out.mkdir()
+    shutil.copy(tiny_llama_dir / "config.json", out)
+    save_file(raw, str(out / "model.safetensors"))
+    with pytest.raises(ValueError, match=match):
+        _load(out)
+
+
+def test_missing_paths_are_named(tmp_path):
+    with pytest.raises(ValueError, match="nowhere"):
+        loader.resolve_model_source(str(tmp_path / "nowhere"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no config.json"):
+        loader.resolve_model_source(str(tmp_path / "empty"))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_dtype_conversion(tiny_llama_dir, dtype):
+    _, p32 = _load(tiny_llama_dir)
+    _, p = _load(tiny_llama_dir, dtype)
+    for a, b in zip(jax.tree.leaves(p32), jax.tree.leaves(p), strict=True):
+        assert b.dtype == jnp.dtype(dtype)
+        np.testing.assert_array_equal(np.asarray(b), np.asarray(a).astype(jnp.dtype(dtype)))
+
+
+def test_orbax_round_trip(tmp_path, tiny_llama_dir):
+    cfg, params = _load(tiny_llama_dir)
+    out = tmp_path / "converted"
+    loader.save_converted(out, cfg, params, tokenizer=None)
+    source = loader.resolve_model_source(str(out))
+    assert source.kind == "orbax"
+    assert loader.load_arch_config(source) == cfg
+    _assert_same(loader.load_params(source, cfg), params)
+    bf16 = loader.load_params(source, cfg, "bfloat16")
+    assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(bf16))
+    # A conversion of another architecture is refused with the tensors named.
+    other = make_checkpoint(tmp_path / "qwen", arch="qwen2")
+    qcfg = loader.load_arch_config(loader.resolve_model_source(str(other)))
+    with pytest.raises(ValueError, match="q_bias"):
+        loader.restore_params(out / "params", qcfg)
+
+
+def _llama_cpp_permute(w, n_head):
+    """llama.cpp's convert_hf_to_gguf reordering of Q/K rows, written out independently:
+    within each head, rows (i, i + H/2) become adjacent (2i, 2i + 1)."""
+    H = w.shape[0] // n_head
+    out = np.empty_like(w)
+    for h in range(n_head):
+        rows = w[h * H : (h + 1) * H]
+        out[h * H : (h + 1) * H : 2] = rows[: H // 2]
+        out[h * H + 1 : (h + 1) * H : 2] = rows[H // 2 :]
+    return out
+
+
+def write_gguf(path, hf_dir, quantize_ffn=False):
+    """Writes the tiny HF checkpoint as a llama GGUF file, the way llama.cpp lays it out."""
+    import gguf
+    from safetensors.numpy import load_file
+
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    raw = load_file(str(hf_dir / "model.safetensors"))
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_vocab_size(cfg["vocab_size"])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+             "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    w.add_tensor("token_embd.weight", raw["model.embed_tokens.weight"])
+    w.add_tensor("output_norm.weight", raw["model.norm.weight"])
+    w.add_tensor("output.weight", raw["lm_head.weight"])
+    for i in range(cfg["num_hidden_layers"]):
+        for hf, gg in names.items():
+            t = raw[f"model.layers.{i}.{hf}.weight"]
+            if gg == "attn_q":
+                t = _llama_cpp_permute(t, cfg["num_attention_heads"])
+            elif gg == "attn_k":
+                t = _llama_cpp_permute(t, cfg["num_key_value_heads"])
+            if quantize_ffn and gg == "ffn_up":
+                q = gguf.quants.quantize(t, gguf.GGMLQuantizationType.Q8_0)
+                w.add_tensor(f"blk.{i}.{gg}.weight", q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            else:
+                w.add_tensor(f"blk.{i}.{gg}.weight", t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_gguf_import_undoes_the_qk_permutation(tmp_path, tiny_llama_dir):
+    path = write_gguf(tmp_path / "tiny.gguf", tiny_llama_dir, quantize_ffn=True)
+    source = loader.resolve_model_source(str(path))
+    assert source.kind == "gguf"
+    cfg = loader.load_arch_config(source)
+    ref_cfg, ref = _load(tiny_llama_dir)
+    assert (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, cfg.vocab_size) == (
+        ref_cfg.num_hidden_layers, ref_cfg.num_key_value_heads, ref_cfg.head_dim,
+        ref_cfg.vocab_size)
+    params = loader.load_params(source, cfg)
+    got, want = _flat(params), _flat(ref)
+    for k in want:
+        if "up_proj" in k:  # Q8_0: dequantized values, each within a block's scale / 127
+            scale = np.abs(want[k]).max() / 127
+            np.testing.assert_allclose(got[k], want[k], atol=scale)
+        else:
+            np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+    # The conversion cache: written once, then read back identically.
+    conv = loader.converted_gguf_source(source, str(tmp_path / "cache"))
+    assert conv.kind == "orbax"
+    _assert_same(loader.load_params(conv, cfg), params)
+    assert loader.converted_gguf_source(source, str(tmp_path / "cache")) == conv
