@@ -24,15 +24,21 @@ def environment() -> dict:
     import jax
 
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, cwd=HERE, check=False).stdout.strip()
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=HERE,
+            check=False,
+        ).stdout.strip()
     except OSError:
         commit = ""
     cpu = ""
     try:
         with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f
-                        if line.startswith("model name")), "")
+            cpu = next(
+                (line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), ""
+            )
     except OSError:
         pass
     return {
@@ -46,3 +52,24 @@ def environment() -> dict:
         "cpu_count": os.cpu_count(),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
     }
+
+
+def shared_prefix_workload(
+    num_requests: int = 64,
+    prefix_len: int = 200,
+    suffix_len: tuple[int, int] = (16, 64),
+    output_len: int = 32,
+    vocab: tuple[int, int] = (1000, 40000),
+    seed: int = 0,
+) -> list[dict]:
+    """Requests that share one `prefix_len`-token prefix (a system prompt), each with its own
+    suffix of U[suffix_len] tokens; token ids are drawn uniformly from `vocab`."""
+    import random
+
+    rnd = random.Random(seed)
+    prefix = [rnd.randrange(*vocab) for _ in range(prefix_len)]
+    reqs = []
+    for i in range(num_requests):
+        suffix = [rnd.randrange(*vocab) for _ in range(rnd.randint(*suffix_len))]
+        reqs.append({"id": i, "prompt_token_ids": prefix + suffix, "output_len": output_len})
+    return reqs

@@ -15,19 +15,25 @@ import json
 import logging
 import time
 
-from benchmarks.common import STANDARD_WORKLOAD, environment, load_workload
+from benchmarks.common import (
+    STANDARD_WORKLOAD,
+    environment,
+    load_workload,
+    shared_prefix_workload,
+)
 
 
 def run(workload: str, engine_kwargs: dict) -> dict:
     from pagedjax import LLM, SamplingParams
 
-    reqs = load_workload(workload)
+    reqs = shared_prefix_workload() if workload == "shared-prefix" else load_workload(workload)
     t0 = time.perf_counter()
     llm = LLM(**engine_kwargs)
     startup = time.perf_counter() - t0
     prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in reqs]
-    params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=r["output_len"])
-              for r in reqs]
+    params = [
+        SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=r["output_len"]) for r in reqs
+    ]
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - t0
@@ -35,6 +41,7 @@ def run(workload: str, engine_kwargs: dict) -> dict:
     n_in = sum(len(r["prompt_token_ids"]) for r in reqs)
     assert n_out == sum(r["output_len"] for r in reqs), "every request must give output_len tokens"
     eng = llm.llm_engine
+    stats = eng.scheduler.stats()
     return {
         "engine": "pagedjax",
         "workload": str(workload),
@@ -48,6 +55,9 @@ def run(workload: str, engine_kwargs: dict) -> dict:
         "startup_s": startup,
         "compile_s": eng.compile_seconds,
         "engine_steps": eng.stat_logger.num_steps,
+        "prefix_cache_hit_rate": stats.prefix_cache_hits / max(stats.prefix_cache_queries, 1),
+        "prompt_tokens_computed": stats.prompt_tokens_computed,
+        "preemptions": stats.num_preemptions,
         "engine_args": {k: v for k, v in engine_kwargs.items()},
         "env": environment(),
     }
@@ -57,14 +67,22 @@ def main(argv=None) -> None:
     from pagedjax.config import EngineArgs
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--workload", default=str(STANDARD_WORKLOAD))
+    p.add_argument(
+        "--workload",
+        default=str(STANDARD_WORKLOAD),
+        help="A workload file, or 'shared-prefix' (64 requests, one 200-token "
+        "prefix, 16-64 own tokens, 32 output tokens).",
+    )
     p.add_argument("--out", default=None, help="Write the result as JSON here.")
     EngineArgs.add_cli_args(p)
     ns = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     defaults = EngineArgs()
-    kwargs = {k: getattr(ns, k) for k in EngineArgs.field_names()
-              if getattr(ns, k) != getattr(defaults, k)}
+    kwargs = {
+        k: getattr(ns, k)
+        for k in EngineArgs.field_names()
+        if getattr(ns, k) != getattr(defaults, k)
+    }
     kwargs.setdefault("disable_log_stats", True)
     result = run(ns.workload, kwargs)
     print(json.dumps({k: v for k, v in result.items() if k != "env"}, indent=1))

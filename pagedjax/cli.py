@@ -29,9 +29,14 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
 def _params(ns):
     from pagedjax.sampling_params import SamplingParams
 
-    return SamplingParams(n=ns.n, max_tokens=ns.max_tokens, temperature=ns.temperature,
-                          top_p=ns.top_p, top_k=ns.top_k,
-                          ignore_eos=ns.ignore_eos)
+    return SamplingParams(
+        n=ns.n,
+        max_tokens=ns.max_tokens,
+        temperature=ns.temperature,
+        top_p=ns.top_p,
+        top_k=ns.top_k,
+        ignore_eos=ns.ignore_eos,
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
                 for o in out.outputs:
                     print(f"{out.prompt!r} -> {o.text!r} ({o.finish_reason})")
         else:
-            messages = ([{"role": "system", "content": ns.system}] if ns.system else [])
+            messages = [{"role": "system", "content": ns.system}] if ns.system else []
             messages.append({"role": "user", "content": ns.message})
             out = llm.chat(messages, params, use_tqdm=False)[0]
             for o in out.outputs:

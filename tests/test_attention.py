@@ -14,13 +14,24 @@ from pagedjax.engine.input_batch import BatchBuilder, SeqInput
 from pagedjax.ops.attention import AttentionMetadata, ragged_paged_attention
 
 HEAD_DIM = 16
-FIELDS = ("slot_mapping", "positions", "seq_lens", "query_start_loc", "block_tables",
-          "last_token_index", "tile_seq", "tile_q_start", "tile_q_len", "tile_kv_len",
-          "num_tiles")
+FIELDS = (
+    "slot_mapping",
+    "positions",
+    "seq_lens",
+    "query_start_loc",
+    "block_tables",
+    "last_token_index",
+    "tile_seq",
+    "tile_q_start",
+    "tile_q_len",
+    "tile_kv_len",
+    "num_tiles",
+)
 
 
-def _case(seqs_spec, block_size, num_kv_heads, group, *, tile=8, chunk_pages=2, seed=0,
-          max_tokens=256):
+def _case(
+    seqs_spec, block_size, num_kv_heads, group, *, tile=8, chunk_pages=2, seed=0, max_tokens=256
+):
     """Random cache + queries for sequences given as (cached_len, query_len)."""
     rng = np.random.default_rng(seed)
     num_blocks = 2 + sum(-(-(c + q) // block_size) for c, q in seqs_spec)
@@ -28,14 +39,23 @@ def _case(seqs_spec, block_size, num_kv_heads, group, *, tile=8, chunk_pages=2, 
     seqs, used = [], 0
     for cached, q in seqs_spec:
         nb = -(-(cached + q) // block_size)
-        seqs.append(SeqInput(np.zeros(q, np.int32), cached, perm[used : used + nb].astype(np.int32)))
+        seqs.append(
+            SeqInput(np.zeros(q, np.int32), cached, perm[used : used + nb].astype(np.int32))
+        )
         used += nb
-    builder = BatchBuilder(max_num_batched_tokens=max_tokens, max_num_seqs=32, max_model_len=512,
-                           block_size=block_size, query_tile_size=tile, kv_chunk_pages=chunk_pages)
+    builder = BatchBuilder(
+        max_num_batched_tokens=max_tokens,
+        max_num_seqs=32,
+        max_model_len=512,
+        block_size=block_size,
+        query_tile_size=tile,
+        kv_chunk_pages=chunk_pages,
+    )
     layout, buf = builder.build(seqs)
     a = layout.unpack(buf.copy())
-    md = AttentionMetadata(**{f: jnp.asarray(a[f]) for f in FIELDS}, query_tile_size=tile,
-                           kv_chunk_pages=chunk_pages)
+    md = AttentionMetadata(
+        **{f: jnp.asarray(a[f]) for f in FIELDS}, query_tile_size=tile, kv_chunk_pages=chunk_pages
+    )
     T = layout.num_tokens
     shape = (2, num_blocks, block_size, num_kv_heads, HEAD_DIM)
     k_cache = jnp.asarray(rng.standard_normal(shape, np.float32))

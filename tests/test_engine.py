@@ -58,16 +58,18 @@ def test_greedy_batch_matches_hf(make_llm, tiny_llama_dir, prompts8, hf_greedy_c
 
 
 def test_each_prompt_alone_equals_the_batch(llm16, prompts8):
-    batch = _tokens(llm16.generate([{"prompt_token_ids": p} for p in prompts8], GREEDY,
-                                   use_tqdm=False))
+    batch = _tokens(
+        llm16.generate([{"prompt_token_ids": p} for p in prompts8], GREEDY, use_tqdm=False)
+    )
     for p, want in zip(prompts8, batch, strict=True):
         alone = llm16.generate({"prompt_token_ids": p}, GREEDY, use_tqdm=False)
         assert alone[0].outputs[0].token_ids == want
     _assert_idle_and_whole(llm16)
 
 
-def test_requests_wait_for_blocks_when_the_pool_is_small(make_llm, tiny_llama_dir, prompts8,
-                                                         hf_greedy_cache):
+def test_requests_wait_for_blocks_when_the_pool_is_small(
+    make_llm, tiny_llama_dir, prompts8, hf_greedy_cache
+):
     """A pool that holds about two sequences at a time: admission has to wait."""
     llm = make_llm(tiny_llama_dir, block_size=16, num_gpu_blocks_override=9)
     eng = llm.llm_engine
@@ -94,8 +96,10 @@ def test_nothing_compiles_after_warmup(llm16, prompts8):
         SamplingParams(temperature=1.0, top_k=5, max_tokens=3),
         SamplingParams(temperature=0.0, max_tokens=1),
     ]
-    prompts = [{"prompt_token_ids": rng.integers(3, 259, size=n).tolist()}
-               for n in (1, 3, 15, 16, 31, 64, 100, 127)]
+    prompts = [
+        {"prompt_token_ids": rng.integers(3, 259, size=n).tolist()}
+        for n in (1, 3, 15, 16, 31, 64, 100, 127)
+    ]
     llm16.generate(prompts, [params[i % 4] for i in range(8)], use_tqdm=False)
     llm16.generate(prompts[:2], GREEDY, use_tqdm=False)
     llm16.generate(["some text", "more text!"], params[1], use_tqdm=False)
@@ -116,9 +120,11 @@ def test_eos_and_stop_token_ids(llm16, hf_greedy_cache, prompts8):
     p = prompts8[3]
     ref = hf_greedy_cache(p, 10)
     stop_at = ref[4]
-    out = llm16.generate({"prompt_token_ids": p},
-                         SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[stop_at]),
-                         use_tqdm=False)[0].outputs[0]
+    out = llm16.generate(
+        {"prompt_token_ids": p},
+        SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[stop_at]),
+        use_tqdm=False,
+    )[0].outputs[0]
     k = ref.index(stop_at)
     assert out.token_ids == ref[: k + 1]
     assert out.finish_reason == "stop" and out.stop_reason == stop_at
@@ -126,8 +132,10 @@ def test_eos_and_stop_token_ids(llm16, hf_greedy_cache, prompts8):
 
 def test_top_k_one_and_tiny_top_p_are_greedy(llm16, prompts8, hf_greedy_cache):
     p = prompts8[5]
-    for params in (SamplingParams(temperature=1.5, top_k=1, max_tokens=10, ignore_eos=True),
-                   SamplingParams(temperature=1.0, top_p=1e-6, max_tokens=10, ignore_eos=True)):
+    for params in (
+        SamplingParams(temperature=1.5, top_k=1, max_tokens=10, ignore_eos=True),
+        SamplingParams(temperature=1.0, top_p=1e-6, max_tokens=10, ignore_eos=True),
+    ):
         out = llm16.generate({"prompt_token_ids": p}, params, use_tqdm=False)
         assert out[0].outputs[0].token_ids == hf_greedy_cache(p, 10)
 
@@ -137,20 +145,26 @@ def test_seeded_sampling_is_reproducible_alone_or_in_a_batch(llm16, prompts8):
     p = {"prompt_token_ids": prompts8[2]}
     alone = llm16.generate(p, params, use_tqdm=False)[0].outputs[0].token_ids
     others = [{"prompt_token_ids": q} for q in prompts8]
-    batch = llm16.generate([*others[:3], p, *others[3:]],
-                           [SamplingParams(temperature=1.0, max_tokens=5)] * 3 + [params]
-                           + [SamplingParams(temperature=0.5, max_tokens=9)] * 5,
-                           use_tqdm=False)
+    batch = llm16.generate(
+        [*others[:3], p, *others[3:]],
+        [SamplingParams(temperature=1.0, max_tokens=5)] * 3
+        + [params]
+        + [SamplingParams(temperature=0.5, max_tokens=9)] * 5,
+        use_tqdm=False,
+    )
     assert batch[3].outputs[0].token_ids == alone
-    other_seed = llm16.generate(p, SamplingParams(temperature=1.0, max_tokens=12, seed=43,
-                                                  ignore_eos=True), use_tqdm=False)
+    other_seed = llm16.generate(
+        p, SamplingParams(temperature=1.0, max_tokens=12, seed=43, ignore_eos=True), use_tqdm=False
+    )
     assert other_seed[0].outputs[0].token_ids != alone
 
 
 def test_n_samples_share_the_prompt(llm16, prompts8):
-    out = llm16.generate({"prompt_token_ids": prompts8[4]},
-                         SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=6),
-                         use_tqdm=False)[0]
+    out = llm16.generate(
+        {"prompt_token_ids": prompts8[4]},
+        SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=6),
+        use_tqdm=False,
+    )[0]
     assert [o.index for o in out.outputs] == [0, 1, 2]
     assert len({tuple(o.token_ids) for o in out.outputs}) > 1
     _assert_idle_and_whole(llm16)

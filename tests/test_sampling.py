@@ -42,8 +42,11 @@ def _np_top_k_top_p(logits, k, p):
 def test_top_k_top_p_matches_numpy(k, p):
     rng = np.random.default_rng(0)
     logits = (rng.standard_normal((4, 50)) * 3).astype(np.float32)
-    got = np.asarray(apply_top_k_top_p(jnp.asarray(logits), jnp.asarray(k, jnp.int32),
-                                       jnp.asarray(p, jnp.float32)))
+    got = np.asarray(
+        apply_top_k_top_p(
+            jnp.asarray(logits), jnp.asarray(k, jnp.int32), jnp.asarray(p, jnp.float32)
+        )
+    )
     want = _np_top_k_top_p(logits, k, p)
     np.testing.assert_array_equal(np.isinf(got), np.isinf(want))
     np.testing.assert_allclose(got[~np.isinf(got)], want[~np.isinf(want)])
@@ -96,15 +99,20 @@ def test_draws_follow_the_distribution():
     """Empirical frequencies of many seeded draws match softmax(logits / T)."""
     logits = np.log(np.array([0.5, 0.3, 0.15, 0.05], np.float32))
     S = 4000
-    ids, _ = _sample(jnp.tile(jnp.asarray(logits), (S, 1)),
-                     _meta(S, temperature=1.0, seed=np.arange(S), token_index=0))
+    ids, _ = _sample(
+        jnp.tile(jnp.asarray(logits), (S, 1)),
+        _meta(S, temperature=1.0, seed=np.arange(S), token_index=0),
+    )
     freq = np.bincount(np.asarray(ids), minlength=4) / S
     np.testing.assert_allclose(freq, [0.5, 0.3, 0.15, 0.05], atol=0.03)
-    ids_t, _ = _sample(jnp.tile(jnp.asarray(logits), (S, 1)),
-                       _meta(S, temperature=0.5, seed=np.arange(S) + S, token_index=0))
+    ids_t, _ = _sample(
+        jnp.tile(jnp.asarray(logits), (S, 1)),
+        _meta(S, temperature=0.5, seed=np.arange(S) + S, token_index=0),
+    )
     p = np.array([0.5, 0.3, 0.15, 0.05]) ** 2
-    np.testing.assert_allclose(np.bincount(np.asarray(ids_t), minlength=4) / S, p / p.sum(),
-                               atol=0.03)
+    np.testing.assert_allclose(
+        np.bincount(np.asarray(ids_t), minlength=4) / S, p / p.sum(), atol=0.03
+    )
 
 
 def test_top_k_and_top_p_never_draw_outside_the_kept_set():

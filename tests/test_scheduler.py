@@ -19,15 +19,24 @@ EOS = 2
 
 
 def make_sched(num_blocks=64, block_size=4, budget=32, max_seqs=8, caching=True, **kw):
-    cfg = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget,
-                          max_model_len=kw.pop("max_model_len", 256), **kw)
+    cfg = SchedulerConfig(
+        max_num_seqs=max_seqs,
+        max_num_batched_tokens=budget,
+        max_model_len=kw.pop("max_model_len", 256),
+        **kw,
+    )
     return Scheduler(cfg, KVCacheManager(num_blocks, block_size, caching))
 
 
 def req(rid, n_prompt, max_tokens=4, first=10, priority=0, arrival=None, **params):
-    return Request(rid, list(range(first, first + n_prompt)),
-                   SamplingParams(max_tokens=max_tokens, ignore_eos=True, **params), EOS,
-                   priority=priority, arrival_time=arrival)
+    return Request(
+        rid,
+        list(range(first, first + n_prompt)),
+        SamplingParams(max_tokens=max_tokens, ignore_eos=True, **params),
+        EOS,
+        priority=priority,
+        arrival_time=arrival,
+    )
 
 
 def fake_sample(so, sched):
@@ -62,9 +71,11 @@ def assert_pool_whole(sched):
 
 
 def test_engine_host_side_imports_no_jax():
-    code = ("import sys; import pagedjax.engine.scheduler, pagedjax.engine.kv_cache_manager, "
-            "pagedjax.engine.input_batch, pagedjax.engine.detokenizer; "
-            "assert 'jax' not in sys.modules, 'jax imported'")
+    code = (
+        "import sys; import pagedjax.engine.scheduler, pagedjax.engine.kv_cache_manager, "
+        "pagedjax.engine.input_batch, pagedjax.engine.detokenizer; "
+        "assert 'jax' not in sys.modules, 'jax imported'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -289,3 +300,119 @@ def test_duplicate_request_id_is_rejected():
     s.add_request(req("a", 4))
     with pytest.raises(ValueError, match="already in use"):
         s.add_request(req("a", 4))
+
+
+def _swap_sched(num_blocks=7, host_blocks=16, **kw):
+    cfg = SchedulerConfig(
+        max_num_seqs=8,
+        max_num_batched_tokens=kw.pop("budget", 64),
+        max_model_len=256,
+        preemption_mode="swap",
+        **kw,
+    )
+    return Scheduler(cfg, KVCacheManager(num_blocks, 4, False, num_host_blocks=host_blocks))
+
+
+def test_swap_preemption_keeps_progress_and_outputs():
+    s = _swap_sched()
+    a, b = req("a", 8, max_tokens=8), req("b", 8, max_tokens=8, first=50)
+    s.add_request(a)
+    s.add_request(b)
+    swapped_out, swapped_in = [], []
+    while s.has_unfinished_requests():
+        so, _ = step(s)
+        swapped_out += so.blocks_to_swap_out
+        swapped_in += so.blocks_to_swap_in
+        if so.blocks_to_swap_out:
+            assert b.status == RequestStatus.SWAPPED and b.num_computed_tokens > 0
+            assert s.stats().num_swapped_reqs == 1
+        if so.blocks_to_swap_in:
+            # Resumed where it was: only the tokens not yet computed are scheduled.
+            resumed = next(d for d in so.scheduled_new_reqs if d.req_id == "b")
+            assert resumed.num_computed_tokens > 0
+            assert resumed.num_computed_tokens + so.num_scheduled_tokens["b"] == len(
+                resumed.token_ids
+            )
+    assert swapped_out and len(swapped_in) == len(swapped_out)
+    assert b.num_preemptions >= 1
+    assert a.output_token_ids == list(range(108, 116))
+    assert b.output_token_ids == list(range(108, 116))
+    assert_pool_whole(s)
+    assert s.kv.host_pool.num_free_blocks == s.kv.host_pool.num_usable_blocks
+
+
+def test_swap_falls_back_to_recompute_when_the_host_pool_is_full():
+    s = _swap_sched(host_blocks=1)
+    a, b = req("a", 8, max_tokens=8), req("b", 8, max_tokens=8, first=50)
+    s.add_request(a)
+    s.add_request(b)
+    run_all(s)
+    assert b.num_preemptions >= 1 and s.kv.req_host_blocks == {}
+    assert b.output_token_ids == list(range(108, 116))
+    assert_pool_whole(s)
+
+
+def test_abort_while_swapped_frees_host_blocks():
+    s = _swap_sched()
+    a, b = req("a", 8, max_tokens=8), req("b", 8, max_tokens=8, first=50)
+    s.add_request(a)
+    s.add_request(b)
+    while b.status != RequestStatus.SWAPPED:
+        step(s)
+    assert s.kv.req_host_blocks["b"]
+    s.finish_requests(["b"], RequestStatus.FINISHED_ABORTED)
+    assert s.kv.host_pool.num_free_blocks == s.kv.host_pool.num_usable_blocks
+    run_all(s)
+    assert_pool_whole(s)
+
+
+def test_fork_shares_prompt_blocks_and_copies_the_partial_block_on_write():
+    s = make_sched(block_size=4, budget=64, caching=False)
+    parent = req("p", 10, max_tokens=3)  # blocks: [0-3] [4-7] [8-9 + outputs]
+    s.add_request(parent)
+    kids = [req(f"k{i}", 10, max_tokens=3) for i in range(3)]
+    for k in kids:
+        s.add_request(k, fork_of=parent)
+    so, _ = step(s)
+    assert list(so.num_scheduled_tokens) == ["p"]  # the siblings wait for the prompt
+    table = list(s.kv.get_block_ids("p"))
+    pool = s.kv.pool
+    assert all(pool.ref_cnt[b] == 4 for b in table)  # forked: every prompt block shared by 4
+    so, _ = step(s)
+    # Each writer of the shared partial block gets its own copy first; the last one keeps it.
+    assert so.num_scheduled_tokens == {"p": 1, "k0": 1, "k1": 1, "k2": 1}
+    assert len(so.blocks_to_copy) == 3
+    assert {src for src, _ in so.blocks_to_copy} == {table[2]}
+    full = table[:2]
+    assert all(pool.ref_cnt[b] == 4 for b in full)  # full prompt blocks stay shared, once
+    tables = [s.kv.get_block_ids(r) for r in ("p", "k0", "k1", "k2")]
+    assert len({t[2] for t in tables}) == 4  # four distinct last blocks
+    cow = {c.req_id: c.replaced_block_ids for c in so.scheduled_cached_reqs}
+    assert cow["p"] == [(2, s.kv.get_block_ids("p")[2])]
+    held = {b for t in tables for b in t}
+    assert len(held) == 2 + 4  # 2 shared full blocks + 4 last blocks
+    run_all(s)
+    assert_pool_whole(s)
+
+
+def test_fork_parent_aborted_before_prefill_hands_over_to_a_sibling():
+    s = make_sched(block_size=4, budget=4, max_seqs=2, caching=False)
+    parent = req("p", 10, max_tokens=2)
+    s.add_request(parent)
+    kid = req("k", 10, max_tokens=2)
+    s.add_request(kid, fork_of=parent)
+    step(s)  # parent mid-prefill
+    s.finish_requests(["p"], RequestStatus.FINISHED_ABORTED)
+    run_all(s)
+    assert kid.output_token_ids == [110, 111]
+    assert_pool_whole(s)
+
+
+def test_prompt_tokens_computed_counts_only_what_runs():
+    s = make_sched(block_size=4, budget=64)
+    s.add_request(req("a", 13, max_tokens=2))
+    run_all(s)
+    assert s.stats().prompt_tokens_computed == 13
+    s.add_request(req("b", 13, max_tokens=2))
+    run_all(s)
+    assert s.stats().prompt_tokens_computed == 13 + 1  # 12 tokens hit the cache

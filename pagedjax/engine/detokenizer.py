@@ -104,8 +104,10 @@ class IncrementalDetokenizer:
     def get_text(self, finished: bool, delta: bool) -> str:
         """The text to report now: all of it (or only what is new, if `delta`), minus the
         characters held back for a possible stop string while not `finished`."""
-        end = len(self.output_text) if finished else max(
-            self._sent, len(self.output_text) - self._stop_hold
+        end = (
+            len(self.output_text)
+            if finished
+            else max(self._sent, len(self.output_text) - self._stop_hold)
         )
         text = self.output_text[self._sent if delta else 0 : end]
         if delta:

@@ -5,9 +5,10 @@
     -> sampled ids -> Scheduler.update_from_output (stop checks, freeing)
     -> IncrementalDetokenizer (text, stop strings) -> RequestOutput
 
-A request with n > 1 is fanned out into n child sequences ("{i}_{id}"), which share the
-prompt's full blocks through the prefix cache; their outputs are gathered into one
-`RequestOutput` with n `CompletionOutput`s. A child of a seeded request draws with seed + i.
+A request with n > 1 is fanned out into n child sequences ("{i}_{id}"): the first computes
+the prompt, the others fork its blocks (copy-on-write, see `Scheduler`); their outputs are
+gathered into one `RequestOutput` with n `CompletionOutput`s. A child of a seeded request
+draws with seed + i.
 """
 
 from __future__ import annotations
@@ -83,21 +84,35 @@ class LLMEngine:
         load_s = time.perf_counter() - t0
         self.runner = ModelRunner(config, params)
         num_blocks = self.runner.determine_num_blocks()
-        self.runner.allocate_kv_cache(num_blocks)
+        num_host_blocks = 0
+        if config.scheduler_config.preemption_mode == "swap":
+            num_host_blocks = int(cc.swap_space * 2**30) // self.runner.bytes_per_block()
+        self.runner.allocate_kv_cache(num_blocks, num_host_blocks)
         usable_tokens = (num_blocks - 1) * cc.block_size
         logger.info(
             "model %s loaded in %.1f s (%s, %s); KV cache: %d blocks of %d tokens "
             "(%d tokens, %.2f GiB); maximum concurrency for %d tokens per request: %.2fx",
-            mc.served_model_name, load_s, mc.dtype, jax.default_backend(), num_blocks,
-            cc.block_size, usable_tokens, num_blocks * self.runner.bytes_per_block() / 2**30,
-            mc.max_model_len, usable_tokens / mc.max_model_len,
+            mc.served_model_name,
+            load_s,
+            mc.dtype,
+            jax.default_backend(),
+            num_blocks,
+            cc.block_size,
+            usable_tokens,
+            num_blocks * self.runner.bytes_per_block() / 2**30,
+            mc.max_model_len,
+            usable_tokens / mc.max_model_len,
         )
         if usable_tokens < mc.max_model_len:
             logger.warning(
                 "the KV cache holds %d tokens, fewer than max_model_len=%d: longer requests "
-                "stop early (finish_reason 'length')", usable_tokens, mc.max_model_len,
+                "stop early (finish_reason 'length')",
+                usable_tokens,
+                mc.max_model_len,
             )
-        self.kv_cache_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks, cc.block_size, cc.enable_prefix_caching, num_host_blocks
+        )
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager)
         self.compile_seconds = self.runner.warmup(use_tqdm=use_tqdm)
         self.eos_token_id = self._eos_token_id()
@@ -131,7 +146,11 @@ class LLMEngine:
             ids = self.tokenizer(text).input_ids
         mc = self.config.model_config
         if params.truncate_prompt_tokens is not None:
-            k = mc.max_model_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
+            k = (
+                mc.max_model_len
+                if params.truncate_prompt_tokens == -1
+                else params.truncate_prompt_tokens
+            )
             ids = ids[-k:]
         if not ids:
             raise ValueError("prompt must not be empty (it has 0 tokens)")
@@ -184,20 +203,31 @@ class LLMEngine:
         for i in range(params.n):
             child_id = request_id if params.n == 1 else f"{i}_{request_id}"
             seed = params.seed + i if params.seed is not None else self._rng.getrandbits(63)
-            req = Request(child_id, ids, params, self.eos_token_id, seed=seed,
-                          arrival_time=arrival, priority=priority, cache_salt=salt)
+            req = Request(
+                child_id,
+                ids,
+                params,
+                self.eos_token_id,
+                seed=seed,
+                arrival_time=arrival,
+                priority=priority,
+                cache_salt=salt,
+            )
             children.append(_Child(req, IncrementalDetokenizer(self.tokenizer, ids, params), i))
         added: list[Request] = []
         try:
             for c in children:
-                self.scheduler.add_request(c.request)
+                # Samples after the first share its prompt blocks once it has computed them.
+                self.scheduler.add_request(c.request, fork_of=added[0] if added else None)
                 added.append(c.request)
         except ValueError:
-            self.scheduler.finish_requests([r.request_id for r in added],
-                                           RequestStatus.FINISHED_ABORTED)
+            self.scheduler.finish_requests(
+                [r.request_id for r in added], RequestStatus.FINISHED_ABORTED
+            )
             raise
-        self._parents[request_id] = _Parent(request_id, text, ids, params, children,
-                                            RequestMetrics(arrival_time=arrival))
+        self._parents[request_id] = _Parent(
+            request_id, text, ids, params, children, RequestMetrics(arrival_time=arrival)
+        )
         for c in children:
             self._child_to_parent[c.request.request_id] = request_id
         self.stat_logger.on_request_added(len(ids))
@@ -237,7 +267,7 @@ class LLMEngine:
                 continue
             parent = self._parents[parent_id]
             child = next(c for c in parent.children if c.request is req)
-            new_tokens = req.output_token_ids[len(child.detokenizer.token_ids):]
+            new_tokens = req.output_token_ids[len(child.detokenizer.token_ids) :]
             stop = child.detokenizer.update(new_tokens)
             if stop is not None and not req.is_finished:
                 self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
@@ -258,7 +288,9 @@ class LLMEngine:
             if finished or parent.params.output_kind != RequestOutputKind.FINAL_ONLY:
                 outputs.append(self._make_output(parent, finished))
         self.stat_logger.on_step(
-            so.total_num_scheduled_tokens, len(sampled), time.perf_counter() - t0,
+            so.total_num_scheduled_tokens,
+            len(sampled),
+            time.perf_counter() - t0,
             self.scheduler.stats(),
         )
         return outputs

@@ -54,14 +54,18 @@ class BlockPool:
 
     def __init__(self, num_blocks: int, enable_caching: bool):
         if num_blocks < 2:
-            raise ValueError(f"num_blocks must be at least 2 (block 0 is reserved), got {num_blocks}")
+            raise ValueError(
+                f"num_blocks must be at least 2 (block 0 is reserved), got {num_blocks}"
+            )
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.ref_cnt = [0] * num_blocks
         self.block_hash: list[bytes | None] = [None] * num_blocks
         # Free blocks in eviction order (first = least recently freed). Insertion-ordered dict
         # as a linked list: O(1) pop-front, append and removal of a cache hit.
-        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(1, num_blocks))
+        self.free_queue: OrderedDict[int, None] = OrderedDict(
+            (i, None) for i in range(1, num_blocks)
+        )
         self.cached: dict[bytes, int] = {}
 
     @property
@@ -136,13 +140,31 @@ class BlockPool:
 
 
 class KVCacheManager:
-    """Per-request block tables over a `BlockPool`, and the prefix-cache lookups."""
+    """Per-request block tables over a `BlockPool`, the prefix-cache lookups, copy-on-write of
+    shared blocks, and a host pool for swapped-out requests.
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    Copy-on-write: a block may be held by several requests (prefix-cache hits, or `fork` for
+    the n samples of one prompt). A block held by more than one request is never written:
+    when a request is about to write into such a block (its partly filled last block),
+    `allocate_slots` gives it a fresh block and records the copy (source, destination) in
+    `pending_copies`, which the runner performs before the step.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        num_host_blocks: int = 0,
+    ):
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.host_pool = BlockPool(num_host_blocks + 1, False) if num_host_blocks else None
         self.req_blocks: dict[str, list[int]] = {}
+        self.req_host_blocks: dict[str, list[int]] = {}
+        self.pending_copies: list[tuple[int, int]] = []
+        self.replaced: dict[str, list[tuple[int, int]]] = {}
         self.stats = PrefixCacheStats()
 
     # ----------------------------------------------------------------- queries
@@ -203,19 +225,30 @@ class KVCacheManager:
         first; the request's `num_computed_tokens` must not include them yet.
 
         Returns:
-            The ids of the blocks newly allocated (hits excluded), or None if the pool
-            cannot provide them (nothing is changed then).
+            The ids of the blocks appended to the request's table (hits excluded), or None if
+            the pool cannot provide them (nothing is changed then). A copy-on-write replaces
+            an entry of the table instead; `take_replaced` reports it.
         """
         computed = list(new_computed_blocks or [])
         held = self.req_blocks.get(request.request_id, [])
-        total_tokens = request.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
-        need = self.blocks_needed(total_tokens) - len(held) - len(computed)
-        if need > self.pool.num_free_after_touch(computed):
+        start = request.num_computed_tokens + len(computed) * self.block_size
+        total_tokens = start + num_new_tokens
+        need = max(self.blocks_needed(total_tokens) - len(held) - len(computed), 0)
+        # The block the first new token lands in, if it is held already and shared.
+        first = start // self.block_size
+        cow = first < len(held) and self.pool.ref_cnt[held[first]] > 1
+        if need + cow > self.pool.num_free_after_touch(computed):
             return None
         if computed:
             self.pool.touch(computed)
-        new = self.pool.allocate(max(need, 0))
+        new = self.pool.allocate(need + cow)
         blocks = self.req_blocks.setdefault(request.request_id, [])
+        if cow:
+            copy = new.pop()
+            self.pending_copies.append((blocks[first], copy))
+            self.replaced.setdefault(request.request_id, []).append((first, copy))
+            self.pool.free([blocks[first]])
+            blocks[first] = copy
         blocks.extend(computed)
         blocks.extend(new)
         self._cache_full_blocks(request, blocks, min(total_tokens, request.num_tokens))
@@ -229,9 +262,62 @@ class KVCacheManager:
             self.pool.cache_block(blocks[i], request.block_hashes[i])
 
     def free(self, request: Request) -> None:
-        """Releases every block the request holds (its tail first, to be evicted first)."""
+        """Releases every block the request holds (its tail first, to be evicted first),
+        on the device and, if it is swapped out, on the host."""
         blocks = self.req_blocks.pop(request.request_id, [])
         self.pool.free(list(reversed(blocks)))
+        self.replaced.pop(request.request_id, None)
+        host = self.req_host_blocks.pop(request.request_id, None)
+        if host:
+            self.host_pool.free(host)
+
+    def fork(self, parent: Request, child: Request, num_tokens: int) -> None:
+        """Lets `child` share the parent's blocks that hold its first `num_tokens` tokens."""
+        blocks = self.req_blocks.get(parent.request_id, [])[: self.blocks_needed(num_tokens)]
+        self.pool.touch(blocks)
+        self.req_blocks[child.request_id] = list(blocks)
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        """(source, destination) block copies to perform before the next step."""
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
+
+    def take_replaced(self, request_id: str) -> list[tuple[int, int]]:
+        """(index in the block table, new block id) entries replaced by copy-on-write."""
+        return self.replaced.pop(request_id, [])
+
+    def swap_out(self, request: Request) -> list[tuple[int, int]] | None:
+        """Moves the request's blocks to the host pool.
+
+        Returns:
+            (device block, host block) pairs to copy before the next step, or None if the
+            host pool has no room (nothing changes then).
+        """
+        blocks = self.req_blocks.get(request.request_id, [])
+        if self.host_pool is None or len(blocks) > self.host_pool.num_free_blocks:
+            return None
+        host = self.host_pool.allocate(len(blocks))
+        self.pool.free(list(reversed(self.req_blocks.pop(request.request_id))))
+        self.req_host_blocks[request.request_id] = host
+        return list(zip(blocks, host, strict=True))
+
+    def swap_in(self, request: Request, num_new_tokens: int) -> list[tuple[int, int]] | None:
+        """Brings a swapped-out request back, with room for `num_new_tokens` more tokens.
+
+        Returns:
+            (host block, device block) pairs to copy before the next step, or None if the
+            device pool has no room (nothing changes then).
+        """
+        host = self.req_host_blocks[request.request_id]
+        need = max(self.blocks_needed(request.num_computed_tokens + num_new_tokens), len(host))
+        if need > self.pool.num_free_blocks:
+            return None
+        device = self.pool.allocate(need)
+        del self.req_host_blocks[request.request_id]
+        self.host_pool.free(host)
+        self.req_blocks[request.request_id] = device
+        self._cache_full_blocks(request, device, request.num_computed_tokens + num_new_tokens)
+        return list(zip(host, device, strict=False))
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()

@@ -36,8 +36,9 @@ class StatLogger:
         self.num_requests += 1
         self.num_prompt_tokens += num_prompt_tokens
 
-    def on_step(self, scheduled_tokens: int, sampled: int, seconds: float,
-                stats: SchedulerStats) -> None:
+    def on_step(
+        self, scheduled_tokens: int, sampled: int, seconds: float, stats: SchedulerStats
+    ) -> None:
         self.num_steps += 1
         self.step_seconds += seconds
         self.num_scheduled_tokens += scheduled_tokens
@@ -47,15 +48,24 @@ class StatLogger:
         if self.enabled and now - self._last_log >= self.interval:
             dt = now - self._last_log
             sched0, gen0 = self._since
-            hit = stats.prefix_cache_hits / stats.prefix_cache_queries if stats.prefix_cache_queries else 0.0
+            hit = (
+                stats.prefix_cache_hits / stats.prefix_cache_queries
+                if stats.prefix_cache_queries
+                else 0.0
+            )
             logger.info(
                 "Avg scheduled throughput: %.1f tokens/s, Avg generation throughput: %.1f "
-                "tokens/s, Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, "
+                "tokens/s, Running: %d reqs, Swapped: %d reqs, Waiting: %d reqs, "
+                "KV cache usage: %.1f%%, "
                 "Prefix cache hit rate: %.1f%%, Preemptions: %d",
                 (self.num_scheduled_tokens - sched0) / dt,
                 (self.num_generation_tokens - gen0) / dt,
-                stats.num_running_reqs, stats.num_waiting_reqs, 100 * stats.kv_cache_usage,
-                100 * hit, stats.num_preemptions,
+                stats.num_running_reqs,
+                stats.num_swapped_reqs,
+                stats.num_waiting_reqs,
+                100 * stats.kv_cache_usage,
+                100 * hit,
+                stats.num_preemptions,
             )
             self._last_log = now
             self._since = (self.num_scheduled_tokens, self.num_generation_tokens)

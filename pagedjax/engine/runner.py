@@ -44,6 +44,7 @@ from pagedjax.ops.sampling import SamplingMetadata, sample
 
 logger = logging.getLogger(__name__)
 
+BLOCK_OP_BATCH = 16  # block copies / swaps run in padded groups of this many blocks
 QUERY_TILE_SIZE = 32  # query tokens per prefill tile of the XLA attention path
 KV_CHUNK_TOKENS = 32  # KV tokens per inner step of the XLA attention path (fastest on CPU)
 
@@ -77,8 +78,17 @@ class _RequestState:
     seed: int
 
 
-def _step(params, kv_cache, packed, *, layout: PackedLayout, cfg, backend: str, tile: int,
-          chunk_pages: int):
+def _step(
+    params,
+    kv_cache,
+    packed,
+    *,
+    layout: PackedLayout,
+    cfg,
+    backend: str,
+    tile: int,
+    chunk_pages: int,
+):
     a = layout.unpack(packed)
     md = AttentionMetadata(
         slot_mapping=a["slot_mapping"],
@@ -111,6 +121,21 @@ def _step(params, kv_cache, packed, *, layout: PackedLayout, cfg, backend: str, 
     return token_ids, logprobs, kv_cache
 
 
+def _copy_blocks(kv_cache, src, dst):
+    """kv[:, dst] = kv[:, src] for K and V. src, dst: [BLOCK_OP_BATCH] int32."""
+    return tuple(c.at[:, dst].set(c[:, src]) for c in kv_cache)
+
+
+def _gather_blocks(kv_cache, ids):
+    """[2, L, BLOCK_OP_BATCH, block_size, K, H]: the blocks `ids` of K and V."""
+    return jnp.stack([c[:, ids] for c in kv_cache])
+
+
+def _scatter_blocks(kv_cache, ids, data):
+    """kv[:, ids] = data (as returned by `_gather_blocks`)."""
+    return tuple(c.at[:, ids].set(d) for c, d in zip(kv_cache, data, strict=True))
+
+
 class ModelRunner:
     """Params, KV cache and compiled steps of one model replica.
 
@@ -141,11 +166,18 @@ class ModelRunner:
             static_argnames=("layout", "cfg", "backend", "tile", "chunk_pages"),
             donate_argnames=("kv_cache",),
         )
-        self._static = dict(cfg=self.arch, backend=mc.attention_backend, tile=QUERY_TILE_SIZE,
-                            chunk_pages=chunk_pages)
+        self._static = dict(
+            cfg=self.arch,
+            backend=mc.attention_backend,
+            tile=QUERY_TILE_SIZE,
+            chunk_pages=chunk_pages,
+        )
         self.num_blocks = 0
         self.kv_cache: KVCache | None = None
         self._executables: dict[int, Any] = {}
+        self._block_ops: dict[str, Any] = {}
+        self.host_cache: np.ndarray | None = None  # [2, L, num_host_blocks, bs, K, H]
+        self.num_host_blocks = 0
         self.requests: dict[str, _RequestState] = {}
 
     # ----------------------------------------------------------------- memory
@@ -191,21 +223,30 @@ class ModelRunner:
         """Temporary bytes of the largest bucket's step, from XLA's memory analysis."""
         layout = self.builder.layout(self.builder.buckets[-1])
         a = self.arch
-        shape = kv_cache_shape(a.num_hidden_layers, 2, self.block_size,
-                               a.num_key_value_heads, a.head_dim)
+        shape = kv_cache_shape(
+            a.num_hidden_layers, 2, self.block_size, a.num_key_value_heads, a.head_dim
+        )
         kv_spec = (jax.ShapeDtypeStruct(shape, self.dtype),) * 2
         packed = jax.ShapeDtypeStruct((layout.size,), jnp.int32)
-        compiled = self._jit_step.lower(self.params, kv_spec, packed, layout=layout,
-                                        **self._static).compile()
+        compiled = self._jit_step.lower(
+            self.params, kv_spec, packed, layout=layout, **self._static
+        ).compile()
         analysis = compiled.memory_analysis()
         return int(getattr(analysis, "temp_size_in_bytes", 0) or 0)
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
+    def allocate_kv_cache(self, num_blocks: int, num_host_blocks: int = 0) -> None:
+        """Allocates the device KV cache, and the host pool for swapping (allocated lazily by
+        the OS: untouched pages cost nothing)."""
         a = self.arch
         self.num_blocks = num_blocks
-        shape = kv_cache_shape(a.num_hidden_layers, num_blocks, self.block_size,
-                               a.num_key_value_heads, a.head_dim)
+        shape = kv_cache_shape(
+            a.num_hidden_layers, num_blocks, self.block_size, a.num_key_value_heads, a.head_dim
+        )
         self.kv_cache = init_kv_cache(shape, self.dtype)
+        self.num_host_blocks = num_host_blocks
+        if num_host_blocks:
+            host_shape = (2, a.num_hidden_layers, num_host_blocks + 1, *shape[2:])
+            self.host_cache = np.zeros(host_shape, self.dtype)
 
     # ----------------------------------------------------------------- compilation
 
@@ -214,19 +255,54 @@ class ModelRunner:
         assert self.kv_cache is not None, "allocate_kv_cache first"
         t0 = time.perf_counter()
         buckets = self.builder.buckets
-        for T in tqdm(buckets, desc="Compiling step buckets", disable=not use_tqdm,
-                      leave=False):
+        kv_spec = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in self.kv_cache)
+        for T in tqdm(buckets, desc="Compiling step buckets", disable=not use_tqdm, leave=False):
             layout = self.builder.layout(T)
             packed = jax.ShapeDtypeStruct((layout.size,), jnp.int32)
-            kv_spec = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in self.kv_cache)
             self._executables[T] = self._jit_step.lower(
                 self.params, kv_spec, packed, layout=layout, **self._static
             ).compile()
+        ids = jax.ShapeDtypeStruct((BLOCK_OP_BATCH,), jnp.int32)
+        self._block_ops["copy"] = (
+            jax.jit(_copy_blocks, donate_argnums=0).lower(kv_spec, ids, ids).compile()
+        )
+        if self.num_host_blocks:
+            gather = jax.jit(_gather_blocks).lower(kv_spec, ids)
+            data = jax.ShapeDtypeStruct(gather.out_info.shape, gather.out_info.dtype)
+            self._block_ops["gather"] = gather.compile()
+            self._block_ops["scatter"] = (
+                jax.jit(_scatter_blocks, donate_argnums=0).lower(kv_spec, ids, data).compile()
+            )
         seconds = time.perf_counter() - t0
         logger.info("compiled %d step buckets %s in %.1f s", len(buckets), buckets, seconds)
         return seconds
 
     # ----------------------------------------------------------------- steps
+
+    def _apply_block_ops(self, so: SchedulerOutput) -> None:
+        """Swap-outs, then swap-ins, then copies: each reads the blocks before the step."""
+        B = BLOCK_OP_BATCH
+        for i in range(0, len(so.blocks_to_swap_out), B):
+            pairs = so.blocks_to_swap_out[i : i + B]
+            ids = np.zeros(B, np.int32)
+            ids[: len(pairs)] = [d for d, _ in pairs]
+            data = np.asarray(self._block_ops["gather"](self.kv_cache, ids))
+            self.host_cache[:, :, [h for _, h in pairs]] = data[:, :, : len(pairs)]
+        for i in range(0, len(so.blocks_to_swap_in), B):
+            pairs = so.blocks_to_swap_in[i : i + B]
+            ids = np.zeros(B, np.int32)
+            ids[: len(pairs)] = [d for _, d in pairs]
+            data = np.zeros(
+                self.host_cache.shape[:2] + (B,) + self.host_cache.shape[3:], self.host_cache.dtype
+            )
+            data[:, :, : len(pairs)] = self.host_cache[:, :, [h for h, _ in pairs]]
+            self.kv_cache = self._block_ops["scatter"](self.kv_cache, ids, data)
+        for i in range(0, len(so.blocks_to_copy), B):
+            pairs = so.blocks_to_copy[i : i + B]
+            src, dst = np.zeros(B, np.int32), np.zeros(B, np.int32)
+            src[: len(pairs)] = [a for a, _ in pairs]
+            dst[: len(pairs)] = [b for _, b in pairs]
+            self.kv_cache = self._block_ops["copy"](self.kv_cache, src, dst)
 
     def _update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids | so.preempted_req_ids:
@@ -250,6 +326,8 @@ class ModelRunner:
             )
         for cached in so.scheduled_cached_reqs:
             st = self.requests[cached.req_id]
+            for index, block in cached.replaced_block_ids:
+                st.block_ids[index] = block
             st.block_ids.extend(cached.new_block_ids)
             st.num_computed_tokens = cached.num_computed_tokens
 
@@ -257,6 +335,7 @@ class ModelRunner:
         """Runs one step. Returns request id -> (sampled token, logprob) for every request
         whose scheduled tokens reached its last known token."""
         self._update_states(so)
+        self._apply_block_ops(so)
         if so.total_num_scheduled_tokens == 0:
             return {}
         seqs, ids = [], []

@@ -123,8 +123,13 @@ class LlamaArchConfig:
                 f"architecture {arch or d.get('model_type')!r} is not supported; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                    "num_attention_heads"):
+        for key in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+        ):
             if d.get(key) is None:
                 raise ValueError(f"config.json lacks the required field {key!r}")
         # transformers 5 keeps theta and scaling in `rope_parameters`; 4.x in two fields.
@@ -135,7 +140,9 @@ class LlamaArchConfig:
         rope.pop("type", None)
         scaling = None if rope_type == "default" else tuple(sorted(rope.items()))
         eos = d.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list | tuple) else ((eos,) if eos is not None else ())
+        eos_ids = (
+            tuple(eos) if isinstance(eos, list | tuple) else ((eos,) if eos is not None else ())
+        )
         num_heads = d["num_attention_heads"]
         return cls(
             architecture=arch,

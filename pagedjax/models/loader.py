@@ -352,7 +352,9 @@ def _gguf_arch_config(reader) -> LlamaArchConfig:
         raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: llama")
     names = {t.name for t in reader.tensors}
     if "rope_freqs.weight" in names:
-        raise ValueError("GGUF tensor 'rope_freqs.weight' (Llama 3.1 RoPE scaling) is not supported")
+        raise ValueError(
+            "GGUF tensor 'rope_freqs.weight' (Llama 3.1 RoPE scaling) is not supported"
+        )
     embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
     heads = int(_gguf_field(reader, "llama.attention.head_count"))
     hidden = int(_gguf_field(reader, "llama.embedding_length"))
@@ -455,7 +457,9 @@ def restore_params(
     device = jax.devices()[0]
 
     def target(name, shape):
-        sharding = (sharding_for(name) if sharding_for else None) or jax.sharding.SingleDeviceSharding(device)
+        sharding = (
+            sharding_for(name) if sharding_for else None
+        ) or jax.sharding.SingleDeviceSharding(device)
         return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=sharding)
 
     abstract = {k: target(k, v) for k, v in shapes.items() if k != "layers"}
@@ -466,7 +470,9 @@ def restore_params(
         stored = {k for k in (tree or {}) if k != "layers"} | {
             "layers/" + k for k in ((tree or {}).get("layers") or {})
         }
-        wanted = {k for k in abstract if k != "layers"} | {"layers/" + k for k in abstract["layers"]}
+        wanted = {k for k in abstract if k != "layers"} | {
+            "layers/" + k for k in abstract["layers"]
+        }
         if tree is not None and stored != wanted:
             raise ValueError(
                 f"params in {str(path)!r} do not match the architecture: missing "
@@ -491,8 +497,11 @@ def save_converted(
         "num_key_value_heads": cfg.num_key_value_heads,
         "head_dim": cfg.head_dim,
         "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_parameters": {"rope_type": "default", **cfg.rope_scaling_dict,
-                            "rope_theta": cfg.rope_theta},
+        "rope_parameters": {
+            "rope_type": "default",
+            **cfg.rope_scaling_dict,
+            "rope_theta": cfg.rope_theta,
+        },
         "tie_word_embeddings": cfg.tie_word_embeddings,
         "attention_bias": cfg.attention_bias,
         "max_position_embeddings": cfg.max_position_embeddings,
