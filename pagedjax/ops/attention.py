@@ -16,6 +16,7 @@ Implementations (all share `tests/test_attention.py`):
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from flax import struct
 
 BACKENDS = ("reference", "xla", "pallas")
@@ -69,6 +70,8 @@ def ragged_paged_attention(
     *,
     sm_scale: float,
     backend: str = "xla",
+    k_scale: jax.Array | float | None = None,
+    v_scale: jax.Array | float | None = None,
 ) -> jax.Array:
     """Causal attention of each query token over its own sequence's paged KV.
 
@@ -80,6 +83,9 @@ def ragged_paged_attention(
         md: the step's `AttentionMetadata`.
         sm_scale: softmax scale, usually 1 / sqrt(H).
         backend: "reference", "xla" or "pallas".
+        k_scale, v_scale: for a quantized cache (e.g. float8_e4m3fn), the scalar float32
+            scales of this layer's K and V: a cached value means `value * scale`. None for
+            a cache in the compute dtype.
 
     Returns:
         [T, N, H] in q's dtype; rows of padding tokens are zero.
@@ -99,4 +105,10 @@ def ragged_paged_attention(
         from pagedjax.ops.paged_attention_pallas import paged_attention_pallas as impl
     else:
         raise ValueError(f"attention backend {backend!r} is unknown; choose one of {BACKENDS}")
-    return impl(q, k_cache, v_cache, layer, md, sm_scale=sm_scale)
+    return impl(q, k_cache, v_cache, layer, md, sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale)
+
+
+def dequantize_pages(pages: jax.Array, scale: jax.Array | float | None) -> jax.Array:
+    """Pages read from the cache, in float32 (times `scale` for a quantized cache)."""
+    pages = pages.astype(jnp.float32)
+    return pages if scale is None else pages * scale

@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pagedjax.ops.attention import AttentionMetadata
+from pagedjax.ops.attention import AttentionMetadata, dequantize_pages
 
 
 def paged_attention_reference(
@@ -23,6 +23,8 @@ def paged_attention_reference(
     md: AttentionMetadata,
     *,
     sm_scale: float,
+    k_scale=None,
+    v_scale=None,
 ) -> jax.Array:
     """See `ops.attention.ragged_paged_attention`. q: [T, N, H] -> [T, N, H]."""
     T, N, H = q.shape
@@ -39,11 +41,12 @@ def paged_attention_reference(
     k = k_cache[layer, md.block_tables[seq]].reshape(T, B * block_size, K, H)
     v = v_cache[layer, md.block_tables[seq]].reshape(T, B * block_size, K, H)
     qg = q.reshape(T, K, N // K, H).astype(jnp.float32)
-    scores = jnp.einsum("tkgh,tlkh->tkgl", qg, k.astype(jnp.float32)) * sm_scale
+    k, v = dequantize_pages(k, k_scale), dequantize_pages(v, v_scale)
+    scores = jnp.einsum("tkgh,tlkh->tkgl", qg, k) * sm_scale
     kpos = jnp.arange(B * block_size)
     mask = (kpos[None, :] <= qpos[:, None]) & valid[:, None]  # [T, B*bs]
     scores = jnp.where(mask[:, None, None, :], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1)
     probs = jnp.where(mask[:, None, None, :], probs, 0.0)  # padding rows: all masked -> 0
-    out = jnp.einsum("tkgl,tlkh->tkgh", probs, v.astype(jnp.float32))
+    out = jnp.einsum("tkgl,tlkh->tkgh", probs, v)
     return out.reshape(T, N, H).astype(q.dtype)

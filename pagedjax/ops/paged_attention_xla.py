@@ -22,7 +22,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pagedjax.ops.attention import AttentionMetadata
+from pagedjax.ops.attention import AttentionMetadata, dequantize_pages
 
 _NEG = -1e30  # finite "minus infinity": keeps the online softmax free of inf - inf
 
@@ -36,7 +36,7 @@ def _online_update(m, l, acc, scores, mask, v):
     return m_new, l * alpha + p.sum(axis=-1), acc * alpha[..., None], p
 
 
-def _decode_rows(q, k_cache, v_cache, layer, md, sm_scale):
+def _decode_rows(q, k_cache, v_cache, layer, md, sm_scale, k_scale, v_scale):
     """Attention of each sequence's last query token. Returns [S, K, G, H] float32."""
     T, N, H = q.shape
     K = k_cache.shape[3]
@@ -52,8 +52,8 @@ def _decode_rows(q, k_cache, v_cache, layer, md, sm_scale):
     def body(c, carry):
         m, l, acc = carry
         pages = jax.lax.dynamic_slice_in_dim(md.block_tables, c * P, P, axis=1)  # [S, P]
-        kc = k_cache[layer, pages].reshape(S, C, K, H).astype(jnp.float32)
-        vc = v_cache[layer, pages].reshape(S, C, K, H).astype(jnp.float32)
+        kc = dequantize_pages(k_cache[layer, pages], k_scale).reshape(S, C, K, H)
+        vc = dequantize_pages(v_cache[layer, pages], v_scale).reshape(S, C, K, H)
         scores = jnp.einsum("SKGH,SCKH->SKGC", qd, kc)
         kpos = c * C + jnp.arange(C)
         mask = (kpos[None, :] < md.seq_lens[:, None])[:, None, None, :]  # [S, 1, 1, C]
@@ -69,7 +69,7 @@ def _decode_rows(q, k_cache, v_cache, layer, md, sm_scale):
     return acc / jnp.maximum(l, 1e-30)[..., None]
 
 
-def _prefill_tiles(q_pad, out, k_cache, v_cache, layer, md, sm_scale):
+def _prefill_tiles(q_pad, out, k_cache, v_cache, layer, md, sm_scale, k_scale, v_scale):
     """Attention of the prefill tiles, written into `out` [T + Tq, N, H] float32."""
     _, N, H = q_pad.shape
     K = k_cache.shape[3]
@@ -92,8 +92,8 @@ def _prefill_tiles(q_pad, out, k_cache, v_cache, layer, md, sm_scale):
         def chunk(c, carry):
             m, l, acc = carry
             pages = jax.lax.dynamic_slice_in_dim(table, c * P, P)  # [P]
-            kc = k_cache[layer, pages].reshape(C, K, H).astype(jnp.float32)
-            vc = v_cache[layer, pages].reshape(C, K, H).astype(jnp.float32)
+            kc = dequantize_pages(k_cache[layer, pages], k_scale).reshape(C, K, H)
+            vc = dequantize_pages(v_cache[layer, pages], v_scale).reshape(C, K, H)
             scores = jnp.einsum("TKGH,CKH->KGTC", qt, kc)
             kpos = c * C + jnp.arange(C)
             mask = (kpos[None, :] <= qpos[:, None]) & rows[:, None]  # [Tq, C]
@@ -123,6 +123,8 @@ def paged_attention_xla(
     md: AttentionMetadata,
     *,
     sm_scale: float,
+    k_scale=None,
+    v_scale=None,
 ) -> jax.Array:
     """See `ops.attention.ragged_paged_attention`. q: [T, N, H] -> [T, N, H].
 
@@ -132,8 +134,9 @@ def paged_attention_xla(
     Tq = md.query_tile_size
     S = md.seq_lens.shape[0]
     out = jnp.zeros((T + Tq, N, H), jnp.float32)
-    decode = _decode_rows(q, k_cache, v_cache, layer, md, sm_scale).reshape(S, N, H)
+    decode = _decode_rows(q, k_cache, v_cache, layer, md, sm_scale, k_scale, v_scale)
+    decode = decode.reshape(S, N, H)
     out = out.at[md.last_token_index].set(decode)
     q_pad = jnp.pad(q, ((0, Tq), (0, 0), (0, 0)))
-    out = _prefill_tiles(q_pad, out, k_cache, v_cache, layer, md, sm_scale)
+    out = _prefill_tiles(q_pad, out, k_cache, v_cache, layer, md, sm_scale, k_scale, v_scale)
     return out[:T].astype(q.dtype)
