@@ -302,3 +302,24 @@ def test_beam_search_matches_hf(llm, tiny_llama_dir, prompts8, beams):
         assert scores == sorted(scores, reverse=True)
     pool = llm.llm_engine.kv_cache_manager.pool
     assert pool.num_free_blocks == pool.num_usable_blocks
+
+
+def test_streamed_text_holds_back_a_possible_stop_string(llm):
+    """The last len(longest stop string) - 1 characters are not streamed, since they could
+    still become a stop string; they are released when the request ends another way."""
+    from pagedjax.engine.detokenizer import IncrementalDetokenizer
+
+    tok = llm.get_tokenizer()
+    d = IncrementalDetokenizer(tok, [5], SamplingParams(stop=["STOP!"]))
+    deltas = []
+    for ch in "go STO":
+        d.update(tok(ch, add_special_tokens=False).input_ids)
+        deltas.append(d.get_text(False, True))
+    assert "".join(deltas) == "go"  # 4 characters held back: " STO"
+    assert d.update(tok("P", add_special_tokens=False).input_ids) is None
+    assert d.get_text(False, True) == " "
+    d.flush()
+    assert d.get_text(True, True) == "STOP"  # ended another way: everything is released
+    d2 = IncrementalDetokenizer(tok, [5], SamplingParams(stop=["STOP!"]))
+    assert d2.update(tok("a STOP! b", add_special_tokens=False).input_ids) == "STOP!"
+    assert d2.get_text(True, False) == "a "
