@@ -21,11 +21,11 @@ import sys
 
 # name: (head_dim, block_size, q dtype, kv dtype, block_m, GQA group)
 CONFIGS = {
-    "decode_bf16_h128_bs16_g4": (128, 16, "bfloat16", "bfloat16", None, 4),
+    "decode_bf16_h128_bs16_g4_bm16": (128, 16, "bfloat16", "bfloat16", 16, 4),
     "prefill_bf16_h128_bs16_g4_bm64": (128, 16, "bfloat16", "bfloat16", 64, 4),
     "f16_h64_bs128_g3_bm64": (64, 128, "float16", "float16", 64, 3),
-    "f32_h64_bs32_g8": (64, 32, "float32", "float32", None, 8),
-    "fp8e4m3_bf16_h128_bs16_g4": (128, 16, "bfloat16", "float8_e4m3fn", None, 4),
+    "f32_h64_bs32_g8_bm16": (64, 32, "float32", "float32", 16, 8),
+    "fp8e4m3_bf16_h128_bs16_g4_bm16": (128, 16, "bfloat16", "float8_e4m3fn", 16, 4),
     "fp8e5m2_bf16_h128_bs64_g1_bm64": (128, 64, "bfloat16", "float8_e5m2", 64, 1),
 }
 

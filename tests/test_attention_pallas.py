@@ -20,7 +20,7 @@ import pytest
 from pagedjax import SamplingParams
 from pagedjax.engine.input_batch import BatchBuilder, SeqInput
 from pagedjax.ops.attention import AttentionMetadata, ragged_paged_attention
-from pagedjax.ops.paged_attention_pallas import paged_attention_pallas
+from pagedjax.ops.paged_attention_pallas import paged_attention_pallas, unsupported_reason
 from pagedjax.ops.paged_attention_ref import paged_attention_reference
 
 FIELDS = (
@@ -143,12 +143,13 @@ def test_pallas_matches_reference_wide(block_size, kv_heads, group, head_dim, ti
     )
 
 
-@pytest.mark.parametrize("q_dtype", ["bfloat16", "float16"])
-def test_16_bit_queries_and_pages(q_dtype):
+@pytest.mark.parametrize("q_dtype,block_size", [("bfloat16", 16), ("float16", 4)])
+def test_16_bit_queries_and_pages(q_dtype, block_size):
     """16-bit q and pages against the reference on the same rounded inputs (float32 math):
-    the kernel rounds the softmax weights to the 16-bit type before P @ V."""
+    the kernel rounds the softmax weights to the 16-bit type before P @ V. The float16 case
+    also takes the engine's smallest block size, 4."""
     spec = [(0, 1), (40, 1), (0, 19), (33, 12)]
-    q, k, v, md, total = _case(spec, 16, 2, 3, 64, q_dtype=q_dtype, seed=3)
+    q, k, v, md, total = _case(spec, block_size, 2, 3, 64, q_dtype=q_dtype, seed=3)
     k, v = k.astype(q_dtype), v.astype(q_dtype)
     ref = np.asarray(_reference(q, k, v, md, None, None, 0.125).astype(jnp.float32))
     got = jax.jit(
@@ -238,6 +239,13 @@ def test_bad_shapes_and_dtypes_are_value_errors(change, match):
     q, k, v, md, _ = _case([(0, 3)], 16, 1, 4, head_dim, q_dtype=change.get("q_dtype", "float32"))
     with pytest.raises(ValueError, match=match):
         paged_attention_pallas(q, k, v, LAYER, md, sm_scale=0.1, block_m=change.get("block_m"))
+
+
+def test_unsupported_reason_names_the_constraint():
+    assert unsupported_reason(128, 16) is None and unsupported_reason(64, 4) is None
+    assert "head dim" in unsupported_reason(80, 16)
+    assert "head dim" in unsupported_reason(8, 16)
+    assert "block_size" in unsupported_reason(64, 12)
 
 
 def test_engine_greedy_pallas_equals_reference(make_llm, tiny_llama_dir, prompts8, hf_greedy_cache):

@@ -33,14 +33,16 @@ values are contiguous; a head-major page layout `[L, num_blocks, K, block_size, 
 the loads longer contiguous runs, but the kernel does not need it).
 
 Constraints (Triton wants power-of-two tensor sizes): head dim H and block_size powers of two,
-H >= 16, 8 <= block_size; q in float32, bfloat16 or float16; K/V in one float dtype (or fp8
-with scales).
+H >= 16 (`unsupported_reason`; `attention_backend="auto"` falls back to "xla" on a GPU when
+the model breaks them); q in float32, bfloat16 or float16; K/V in one float dtype (or fp8 with
+scales).
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -189,8 +191,17 @@ def _compute_dtype(q_dtype, kv_dtype):
     return jnp.float32
 
 
-def _check(q, k_cache, v_cache):
-    T, N, H = q.shape
+def unsupported_reason(head_dim: int, block_size: int) -> str | None:
+    """Why the kernel cannot take this head dim / block size (None when it can)."""
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        return f"the pallas kernel needs a power-of-two head dim >= 16, not {head_dim}"
+    if block_size < 1 or block_size & (block_size - 1):
+        return f"the pallas kernel needs a power-of-two block_size, not {block_size}"
+    return None
+
+
+def _check(q, k_cache, v_cache, sm_scale):
+    H = q.shape[2]
     if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
         raise ValueError(
             f"K and V caches differ: {k_cache.shape} {k_cache.dtype} vs "
@@ -202,11 +213,10 @@ def _check(q, k_cache, v_cache):
         raise ValueError(f"pallas attention takes float32/bfloat16/float16 queries, not {q.dtype}")
     if not jnp.issubdtype(k_cache.dtype, jnp.floating):
         raise ValueError(f"pallas attention needs a floating-point KV cache, not {k_cache.dtype}")
-    block_size = k_cache.shape[2]
-    if H < 16 or H & (H - 1):
-        raise ValueError(f"pallas attention needs a power-of-two head dim >= 16, not {H}")
-    if block_size < 8 or block_size & (block_size - 1):
-        raise ValueError(f"pallas attention needs a power-of-two block_size >= 8, not {block_size}")
+    if reason := unsupported_reason(H, k_cache.shape[2]):
+        raise ValueError(reason)
+    if not isinstance(sm_scale, numbers.Real) or not math.isfinite(sm_scale):
+        raise ValueError(f"sm_scale must be a finite Python number, not {sm_scale!r}")
 
 
 @functools.partial(
@@ -316,11 +326,9 @@ def paged_attention_pallas(
         ValueError: dtypes, head dim, block size or tile sizes outside the constraints in the
             module docstring.
     """
-    _check(q, k_cache, v_cache)
+    _check(q, k_cache, v_cache, sm_scale)
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
-    if not isinstance(sm_scale, float | int) or not math.isfinite(sm_scale):
-        raise ValueError(f"sm_scale must be a finite Python number, not {sm_scale!r}")
     return _pallas_attention(
         q,
         k_cache,
