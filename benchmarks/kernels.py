@@ -32,7 +32,6 @@ makes the plot later, anywhere).
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import math
 import time
@@ -116,22 +115,29 @@ def make_case(batch, context_len, query_len, *, heads, kv_heads, head_dim, block
 
 def _impl_fn(name, q, k, v, md, table, context_len):
     """(fn(q) -> [T, N, H], skip reason or None) for one implementation on one case."""
-    import jax.numpy as jnp
 
     from pagedjax.ops.attention import ragged_paged_attention
 
     H = q.shape[2]
     if name != "jax_decode":
-        return functools.partial(
-            lambda q, name: ragged_paged_attention(q, k, v, 0, md, sm_scale=H**-0.5, backend=name),
-            name=name,
-        ), None
+
+        def fn(q):
+            return ragged_paged_attention(q, k, v, 0, md, sm_scale=H**-0.5, backend=name)
+
+        return fn, None
     import jax
 
     if jax.default_backend() != "gpu":
         return None, "GPU only (on CPU only its interpreter would run)"
     if q.shape[0] != table.shape[0]:
         return None, "decode only (query length 1)"
+    return jax_decode_fn(k, v, table, context_len, H), None
+
+
+def jax_decode_fn(k, v, table, context_len, head_dim, interpret=False):
+    """fn(q) -> [S, N, H] through `jax.experimental.pallas.ops.gpu.paged_attention`."""
+    import jax.numpy as jnp
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
@@ -145,21 +151,21 @@ def _impl_fn(name, q, k, v, md, table, context_len):
     tables = jnp.pad(jnp.asarray(table), ((0, 0), (0, cols - table.shape[1])))  # [S, cols]
     k_pages = jnp.transpose(k[0], (2, 0, 1, 3))  # [K, num_blocks, block_size, H]
     v_pages = jnp.transpose(v[0], (2, 0, 1, 3))
-    lengths = jnp.full((table.shape[0],), context_len, jnp.int32)
-    scale = jnp.asarray(H**-0.5, q.dtype)
+    lengths = jnp.full((table.shape[0],), context_len, jnp.int32)  # [S]
 
-    def fn(q):  # JAX's kernel applies no softmax scale: pass q / sqrt(H)
+    def fn(q):  # it applies no softmax scale: pass q / sqrt(H)
         return paged_attention(
-            q * scale,
+            q * jnp.asarray(head_dim**-0.5, q.dtype),
             k_pages,
             v_pages,
             tables,
             lengths,
             k_splits=k_splits,
             pages_per_compute_block=pages_per_compute_block,
+            interpret=interpret,
         )
 
-    return fn, None
+    return fn
 
 
 def time_fn(fn, q, reps: int, trials: int, budget_s: float = 0.5) -> tuple[float, object]:
@@ -254,7 +260,12 @@ def run(args) -> dict:
                     if skip:
                         rows.append({**row, "skipped": skip})
                         continue
-                    sec, out = time_fn(fn, q, args.reps, args.trials)
+                    try:
+                        sec, out = time_fn(fn, q, args.reps, args.trials)
+                    except Exception as e:  # one failing implementation must not end the run
+                        rows.append({**row, "error": f"{type(e).__name__}: {e}"[:2000]})
+                        print(f"{name:>10} b={batch} ctx={ctx} q={ql} failed: {e}", flush=True)
+                        continue
                     out = np.asarray(out[:T].astype(jnp.float32))
                     if base is None:
                         base = out

@@ -1,10 +1,11 @@
 """Ragged paged attention as one Pallas kernel: decode tokens and prefill chunks in one call.
 
 Backend: the Pallas **Triton** backend (`jax.experimental.pallas.triton`), chosen explicitly by
-passing its `CompilerParams`. It is the one Pallas GPU backend that lowers on both machines of
-this project (jax 0.10 here, jax 0.11 on the GPU machine) and on any GPU from sm_80 on, with
-gathers from a page pool written as plain indexing. JAX deprecates it (jax 0.11 warns at each
-lowering); Mosaic GPU, its successor, needs sm_90 and a different programming model. The kernel
+passing its `CompilerParams`. It is the one Pallas GPU backend that lowers under both JAX
+versions of this project (jax 0.10 here, jax 0.11 on the GPU machine), that Triton builds for
+GPUs from sm_80 on (fp8 casts: sm_89 on), and in which gathers from a page pool are plain
+indexing. JAX deprecates it (jax 0.11 warns at each lowering); Mosaic GPU, its successor, needs
+sm_90 and a different, explicitly pipelined programming model. The kernel
 is reached only through `ops.attention.ragged_paged_attention(backend="pallas")` with the
 signature every implementation shares, so a Mosaic GPU or jax-triton (`triton_call`) version
 can replace this file without touching a caller. On CPU it runs with `interpret=True`.
