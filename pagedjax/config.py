@@ -318,6 +318,13 @@ class EngineArgs:
         backend = self.attention_backend
         if backend == "auto":
             backend = "xla" if on_cpu else "pallas"
+            if backend == "pallas":
+                from pagedjax.ops.paged_attention_pallas import unsupported_reason
+
+                reason = unsupported_reason(arch.head_dim, self.block_size)
+                if reason:
+                    logger.warning("attention_backend 'auto' uses 'xla': %s", reason)
+                    backend = "xla"
         default_tokens = (
             CPU_DEFAULT_MAX_NUM_BATCHED_TOKENS if on_cpu else GPU_DEFAULT_MAX_NUM_BATCHED_TOKENS
         )
