@@ -148,7 +148,12 @@ class SchedulerConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:
-    """Device layout: tensor, pipeline and data parallel sizes (all 1 for now)."""
+    """Device layout: tensor, pipeline and data parallel sizes (vLLM's names).
+
+    tensor_parallel_size: devices each layer is split over (heads and MLP columns).
+    pipeline_parallel_size: stages the layers are split into.
+    data_parallel_size: replicas of the whole model, each with its own scheduler.
+    """
 
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
@@ -157,10 +162,19 @@ class ParallelConfig:
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if v < 1:
-                raise _bad(f.name, ">= 1", v)
-            if v != 1:
-                raise _bad(f.name, "1 (parallelism is not supported yet)", v)
+            if not isinstance(v, int) or v < 1:
+                raise _bad(f.name, "an integer >= 1", v)
+        if self.pipeline_parallel_size != 1:
+            raise _bad(
+                "pipeline_parallel_size",
+                "1 (pipeline parallelism is not supported yet)",
+                self.pipeline_parallel_size,
+            )
+
+    @property
+    def world_size(self) -> int:
+        """Devices the layout uses."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size * self.data_parallel_size
 
 
 @dataclasses.dataclass(frozen=True)
