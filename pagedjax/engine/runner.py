@@ -143,9 +143,9 @@ class ModelRunner:
         )
         self.num_blocks = 0
         self.kv_cache: KVCache | None = None
-        self.sampling_state = jax.device_put(
-            init_sampling_state(self.num_slots, self.arch.vocab_size), plan.replicated()
-        )
+        self.sampling_state = jax.jit(
+            init_sampling_state, static_argnums=(0, 1), out_shardings=plan.replicated()
+        )(self.num_slots, self.arch.vocab_size)
         self._executables: dict[int, Any] = {}
         self._ops: dict[str, Any] = {}
         self.host_cache: np.ndarray | None = None  # [2, L, num_host_blocks + 1, bs, K, H]
