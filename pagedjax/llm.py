@@ -33,7 +33,12 @@ class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any):
         use_tqdm = kwargs.pop("use_tqdm_on_load", True)
         args = EngineArgs.from_kwargs(model=model, **kwargs)
-        self.llm_engine = create_engine(args.create_engine_config(), use_tqdm=use_tqdm)
+        if args.distributed_executor_backend == "ray":
+            from pagedjax.engine.ray_engine import RayEngine
+
+            self.llm_engine = RayEngine(args)
+        else:
+            self.llm_engine = create_engine(args.create_engine_config(), use_tqdm=use_tqdm)
         self._counter = itertools.count()
 
     def get_tokenizer(self):
