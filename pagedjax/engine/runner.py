@@ -38,6 +38,7 @@ from pagedjax.ops.kv_cache import (
     KVCache,
     init_kv_cache,
     kv_cache_bytes_per_block,
+    kv_cache_jnp_dtype,
     kv_cache_shape,
 )
 from pagedjax.ops.sampling import SamplingMetadata, sample
@@ -152,6 +153,7 @@ class ModelRunner:
         self.block_size = cc.block_size
         self.max_model_len = mc.max_model_len
         self.dtype = jnp.dtype(mc.dtype)
+        self.kv_dtype = kv_cache_jnp_dtype(cc.kv_cache_dtype, mc.dtype)  # float8 for "fp8"
         chunk_pages = max(1, KV_CHUNK_TOKENS // cc.block_size)
         self.builder = BatchBuilder(
             max_num_batched_tokens=sc.max_num_batched_tokens,
@@ -185,7 +187,7 @@ class ModelRunner:
     def bytes_per_block(self) -> int:
         a = self.arch
         return kv_cache_bytes_per_block(
-            a.num_hidden_layers, self.block_size, a.num_key_value_heads, a.head_dim, self.dtype
+            a.num_hidden_layers, self.block_size, a.num_key_value_heads, a.head_dim, self.kv_dtype
         )
 
     def determine_num_blocks(self) -> int:
@@ -226,7 +228,7 @@ class ModelRunner:
         shape = kv_cache_shape(
             a.num_hidden_layers, 2, self.block_size, a.num_key_value_heads, a.head_dim
         )
-        kv_spec = (jax.ShapeDtypeStruct(shape, self.dtype),) * 2
+        kv_spec = (jax.ShapeDtypeStruct(shape, self.kv_dtype),) * 2
         packed = jax.ShapeDtypeStruct((layout.size,), jnp.int32)
         compiled = self._jit_step.lower(
             self.params, kv_spec, packed, layout=layout, **self._static
@@ -242,11 +244,11 @@ class ModelRunner:
         shape = kv_cache_shape(
             a.num_hidden_layers, num_blocks, self.block_size, a.num_key_value_heads, a.head_dim
         )
-        self.kv_cache = init_kv_cache(shape, self.dtype)
+        self.kv_cache = init_kv_cache(shape, self.kv_dtype)
         self.num_host_blocks = num_host_blocks
         if num_host_blocks:
             host_shape = (2, a.num_hidden_layers, num_host_blocks + 1, *shape[2:])
-            self.host_cache = np.zeros(host_shape, self.dtype)
+            self.host_cache = np.zeros(host_shape, self.kv_dtype)
 
     # ----------------------------------------------------------------- compilation
 
