@@ -14,6 +14,7 @@ from test_quant_checkpoints import HF_LINEAR, _numpy_dequantize, _raw, _write_fp
 
 from pagedjax import SamplingParams
 from pagedjax.engine.runner import compile_count
+from pagedjax.models import loader
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 SMALL = dict(max_num_batched_tokens=32)  # two token buckets: a quick warm-up
@@ -41,11 +42,12 @@ def _assert_pool_whole(llm):
     assert pool.num_free_blocks == pool.num_usable_blocks, "a block leaked"
 
 
-def test_int8_greedy_stays_close_to_float(make_llm, tiny_llama_dir, tiny_hf, prompts8):
+def test_int8_greedy_stays_close_to_float(make_llm, tmp_path, tiny_llama_dir, tiny_hf, prompts8):
     """int8 weight-only on the tiny random model (logits of std ~0.8, many near-ties):
     5 of 8 prompts give float's 10 greedy tokens exactly (measured: 5); every token int8
     picks is within 0.1 logit of the float model's best choice at that point (measured max
-    0.056), so divergences are near-ties, not errors."""
+    0.056), so divergences are near-ties, not errors. Saved and reloaded, the int8 params
+    give the same tokens without quantizing again."""
     llm = make_llm(tiny_llama_dir, quantization="int8", **SMALL)
     assert llm.llm_engine.config.model_config.quantization == "int8"
     before = compile_count()
@@ -56,6 +58,12 @@ def test_int8_greedy_stays_close_to_float(make_llm, tiny_llama_dir, tiny_hf, pro
     gaps = _logit_gaps(tiny_hf, prompts8, got)
     assert gaps.max() < 0.1, gaps.max()
     _assert_pool_whole(llm)
+    eng = llm.llm_engine
+    out = tmp_path / "int8-converted"
+    loader.save_converted(out, eng.config.model_config.arch, eng.runner.params, eng.tokenizer)
+    reloaded = make_llm(out, **SMALL)
+    assert reloaded.llm_engine.config.model_config.quantization == "int8"
+    assert _generate(reloaded, prompts8) == got
 
 
 def test_gptq_act_order_checkpoint_equals_hf_on_its_dequantized_weights(

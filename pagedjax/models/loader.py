@@ -248,7 +248,7 @@ def load_params(
             }
         return quant.quantize_params(params, on_load) if on_load else params
     if on_load:
-        place = _quantizing_place(place, on_load)
+        place = quant_loader.quantizing_place(place, on_load)
     stack = _StackedParams(cfg, np_dtype, place)
     collector = quant_loader.QuantTensorCollector(cfg.num_hidden_layers, ckpt_q, keep_kv_scales)
     tensors = _hf_tensors(source.path) if source.kind == "hf" else _gguf_tensors(source.path, cfg)
@@ -264,18 +264,6 @@ def load_params(
     for name, value in kv_scales.items():
         stack.params["layers"][name] = jax.device_put(value)
     return stack.finish(f"checkpoint {source.path!r}")
-
-
-def _quantizing_place(place, method: str):
-    """`place`, then quantization of the decoder's linear weights with `method`."""
-
-    def place_and_quantize(name: str, value: np.ndarray):
-        arr = place(name, value)
-        if name.removeprefix("layers/") in quant.LINEAR_WEIGHTS and name.startswith("layers/"):
-            return quant.quantize_weight(arr, method)
-        return arr
-
-    return place_and_quantize
 
 
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -533,27 +521,13 @@ def restore_params(
         tree = getattr(meta, "item_metadata", meta)
         tree = getattr(tree, "tree", tree)
         saved_layers = dict((tree or {}).get("layers") or {})
-        for k in ("k_scale", "v_scale"):
-            if saved_layers.pop(k, None) is not None:
-                abstract["layers"][k] = target("layers/" + k, (cfg.num_hidden_layers,), "float32")
-        for k, entry in saved_layers.items():
-            if isinstance(entry, dict) and k in abstract["layers"]:
-                if quant_method is None:
-                    raise ValueError(
-                        f"params in {str(path)!r} are quantized; config.json "
-                        "lacks quantization_config"
-                    )
-                abstract["layers"][k] = quant_loader.abstract_quantized(
-                    entry,
-                    quant_method,
-                    shapes["layers"][k][1],
-                    lambda shape, dt, k=k: target("layers/" + k, shape, dt),
-                )
+        quant_loader.match_saved_layers(
+            saved_layers, abstract["layers"], shapes["layers"], quant_method, target
+        )
         stored = {k for k in (tree or {}) if k != "layers"} | {"layers/" + k for k in saved_layers}
         wanted = {k for k in abstract if k != "layers"} | {
-            "layers/" + k for k in abstract["layers"]
+            "layers/" + k for k in abstract["layers"] if k in shapes["layers"]
         }
-        wanted -= {"layers/k_scale", "layers/v_scale"}
         if tree is not None and stored != wanted:
             raise ValueError(
                 f"params in {str(path)!r} do not match the architecture: missing "

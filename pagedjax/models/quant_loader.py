@@ -42,9 +42,11 @@ import numpy as np
 
 from pagedjax.ops.quant import (
     INT4_METHODS,
+    LINEAR_WEIGHTS,
     METHODS,
     QUANTIZE_ON_LOAD,
     QuantizedWeight,
+    quantize_weight,
 )
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -405,14 +407,51 @@ def is_fp8_safetensors_dtype(dtype: str) -> bool:
 # ----------------------------------------------------------------------------- orbax
 
 
-def abstract_quantized(meta: dict, method: str, in_features: int, target) -> QuantizedWeight:
-    """The restore target of a saved `QuantizedWeight` from its orbax metadata entry.
-    `target(shape, dtype)` makes one leaf's ShapeDtypeStruct."""
-    fields = {
-        k: (None if meta.get(k) is None else target(meta[k].shape, meta[k].dtype))
-        for k in ("qweight", "scales", "zeros", "perm", "input_scale")
-    }
-    return QuantizedWeight(**fields, method=method, in_features=in_features)
+def match_saved_layers(saved: dict, abstract: dict, shapes: dict, method: str | None, target):
+    """Fits the orbax restore target of `layers/` to what was saved: KV-cache scales [L]
+    float32 when present, and a `QuantizedWeight` of the saved leaves for each quantized
+    linear weight (its static fields from `method` and `shapes`).
+
+    Args:
+        saved: the orbax metadata of `layers/` (name -> array metadata, or a dict of them for
+            a quantized weight); KV scales are removed from it.
+        abstract: the float target of `layers/`, updated in place.
+        shapes: `param_shapes(cfg)["layers"]`.
+        method: the conversion's quantization method (its config.json), None if float.
+        target: target(name, shape, dtype) -> jax.ShapeDtypeStruct.
+
+    Raises:
+        ValueError: quantized params without a method in config.json.
+    """
+    num_layers = shapes["q_proj"][0]
+    for k in ("k_scale", "v_scale"):
+        if saved.pop(k, None) is not None:
+            abstract[k] = target("layers/" + k, (num_layers,), "float32")
+    for k, meta in saved.items():
+        if not isinstance(meta, dict) or k not in abstract:
+            continue
+        if method is None:
+            raise ValueError("saved params are quantized, but config.json has no method")
+        fields = {
+            f: (
+                None if meta.get(f) is None else target("layers/" + k, meta[f].shape, meta[f].dtype)
+            )
+            for f in ("qweight", "scales", "zeros", "perm", "input_scale")
+        }
+        abstract[k] = QuantizedWeight(**fields, method=method, in_features=shapes[k][1])
+
+
+def quantizing_place(place, method: str):
+    """The loader's `place(name, value)`, then quantization of the decoder's linear weights
+    (`layers/q_proj`, ...) with a quantize-on-load `method`."""
+
+    def place_and_quantize(name: str, value: np.ndarray):
+        arr = place(name, value)
+        if name.startswith("layers/") and name.removeprefix("layers/") in LINEAR_WEIGHTS:
+            return quantize_weight(arr, method)
+        return arr
+
+    return place_and_quantize
 
 
 def place_quantized(w: QuantizedWeight, sharding=None) -> QuantizedWeight:
