@@ -54,7 +54,6 @@ GPTQ_ORDER = tuple(range(8))
 # vLLM's alternative names for the same formats (its Marlin kernels read the same files).
 QUANTIZATION_ALIASES = {"awq_marlin": "awq", "gptq_marlin": "gptq"}
 QUANTIZATION_CHOICES = (*METHODS, "awq_marlin", "gptq_marlin", "gguf")
-GROUP_SIZES = (32, 64, 128)
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.([a-z_]+)$")
 _HF_MODULES = {
     "self_attn.q_proj": "q_proj",
@@ -79,14 +78,14 @@ class CheckpointQuantization:
     """What a checkpoint's `quantization_config` says.
 
     method: "awq", "gptq", "fp8", or "int8" / "w8a8" (pagedjax conversions only).
-    group_size: input rows per scale group (-1: all of them) for AWQ / GPTQ.
-    desc_act: GPTQ act-order.  zero_offset: 1 for GPTQ v1 checkpoints (stored zero = zero - 1).
+    group_size: input rows per scale group (-1: all of them) for AWQ / GPTQ (act-order is
+        read from each layer's g_idx).  zero_offset: 1 for GPTQ v1 checkpoints (stored zero =
+        zero - 1).
     activation_scheme: fp8 "dynamic" or "static" (the checkpoint's `input_scale`).
     """
 
     method: str
     group_size: int = -1
-    desc_act: bool = False
     zero_offset: int = 0
     activation_scheme: str = "dynamic"
 
@@ -123,7 +122,6 @@ def checkpoint_quantization(source) -> CheckpointQuantization | None:
         return CheckpointQuantization(
             method=method,
             group_size=int(qc.get("group_size", qc.get("q_group_size", -1))),
-            desc_act=bool(qc.get("desc_act", False)),
             zero_offset=1 if method == "gptq" and fmt == "gptq" else 0,
         )
     if method == "fp8":
@@ -181,7 +179,8 @@ def resolve_quantization(requested: str | None, source) -> str | None:
 def unpack_int4_cols(packed: np.ndarray, order: tuple[int, ...]) -> np.ndarray:
     """int32 [rows, cols // 8] -> int32 [rows, cols] values 0..15; nibble i of packed column c
     is column 8c + order[i]."""
-    nib = (packed[..., None].astype(np.uint32) >> (4 * np.arange(8, dtype=np.uint32))) & 0xF
+    bits = np.asarray(packed, np.int32).view(np.uint32)  # the same 32 bits, unsigned
+    nib = (bits[..., None] >> (4 * np.arange(8, dtype=np.uint32))) & 0xF
     out = np.empty_like(nib)
     out[..., list(order)] = nib  # [rows, cols // 8, 8]: slot order[i] <- nibble i
     return out.reshape(*packed.shape[:-1], -1).astype(np.int32)
@@ -189,7 +188,8 @@ def unpack_int4_cols(packed: np.ndarray, order: tuple[int, ...]) -> np.ndarray:
 
 def unpack_int4_rows(packed: np.ndarray) -> np.ndarray:
     """int32 [rows // 8, cols] -> int32 [rows, cols]: nibble j of packed row r is row 8r + j."""
-    nib = packed[:, None, :].astype(np.uint32) >> (4 * np.arange(8, dtype=np.uint32))[:, None]
+    bits = np.asarray(packed, np.int32).view(np.uint32)  # the same 32 bits, unsigned
+    nib = bits[:, None, :] >> (4 * np.arange(8, dtype=np.uint32))[:, None]
     return (nib & 0xF).reshape(-1, packed.shape[-1]).astype(np.int32)
 
 
