@@ -50,6 +50,7 @@ class ModelConfig:
         max_model_len: prompt + output tokens at most.
         arch: the checkpoint's hyper-parameters.
         attention_backend: "xla" | "reference" | "pallas".
+        max_logprobs: the most logprobs / prompt_logprobs a request may ask for.
         download_dir: where conversions are cached.
         quantization: None (float weights), "int8" | "w8a8" | "fp8" (float weights quantized
             on load, or an fp8 checkpoint), "awq" | "gptq" (4-bit checkpoints), or "gguf" (a
@@ -67,6 +68,7 @@ class ModelConfig:
     max_model_len: int
     arch: LlamaArchConfig
     attention_backend: str
+    max_logprobs: int = 20
     download_dir: str | None = None
     quantization: str | None = None
 
@@ -243,6 +245,7 @@ class EngineArgs:
         "Attention implementation ('auto': pallas on GPU, xla on CPU).",
         choices=ATTENTION_BACKENDS,
     )
+    max_logprobs: int = _field(20, "Most logprobs / prompt_logprobs a request may ask for.")
     download_dir: str | None = _field(
         None, "Cache folder for model conversions (default ~/.cache/pagedjax)."
     )
@@ -305,6 +308,10 @@ class EngineArgs:
             raise _bad("kv_cache_dtype", f"one of {KV_CACHE_DTYPES}", self.kv_cache_dtype)
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             raise _bad("quantization", f"None or one of {QUANTIZATION_METHODS}", self.quantization)
+        if self.max_logprobs < 0:
+            raise _bad("max_logprobs", ">= 0", self.max_logprobs)
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise _bad("max_model_len", ">= 1", self.max_model_len)
         source = loader.resolve_model_source(self.model)
         quantization = quant_loader.resolve_quantization(self.quantization, source)
         arch = loader.load_arch_config(source)
@@ -334,6 +341,13 @@ class EngineArgs:
         backend = self.attention_backend
         if backend == "auto":
             backend = "xla" if on_cpu else "pallas"
+            if backend == "pallas":
+                from pagedjax.ops.paged_attention_pallas import unsupported_reason
+
+                reason = unsupported_reason(arch.head_dim, self.block_size)
+                if reason:
+                    logger.warning("attention_backend 'auto' uses 'xla': %s", reason)
+                    backend = "xla"
         default_tokens = (
             CPU_DEFAULT_MAX_NUM_BATCHED_TOKENS if on_cpu else GPU_DEFAULT_MAX_NUM_BATCHED_TOKENS
         )
@@ -357,6 +371,7 @@ class EngineArgs:
             max_model_len=max_model_len,
             arch=arch,
             attention_backend=backend,
+            max_logprobs=self.max_logprobs,
             download_dir=self.download_dir,
             quantization=quantization,
         )
