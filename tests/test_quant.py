@@ -188,7 +188,7 @@ def _attn_scaled(q, k, v, md, k_scale, v_scale, backend):
     )
 
 
-@pytest.mark.parametrize("backend", ["reference", "xla"])
+@pytest.mark.parametrize("backend", ["reference", "xla", "pallas"])  # pallas: interpreted on CPU
 def test_fp8_kv_cache_through_paged_attention(backend):
     """K/V written through `write_kv` into a float8_e4m3fn cache with per-layer scales, read
     back by paged attention: equal to dense NumPy attention over the dequantized values, and
