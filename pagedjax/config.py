@@ -20,6 +20,10 @@ logger = logging.getLogger(__name__)
 ALLOWED_BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "xla", "reference", "pallas")
+# vLLM's names; "fp8" is float8_e4m3fn (as on CUDA), see `ops.kv_cache`.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+# vLLM's names (awq_marlin / gptq_marlin read the same files as awq / gptq), see `ops.quant`.
+QUANTIZATION_METHODS = ("int8", "w8a8", "fp8", "awq", "gptq", "awq_marlin", "gptq_marlin", "gguf")
 # CPU defaults (vLLM's GPU defaults apply on accelerators).
 CPU_DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 GPU_DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
@@ -48,6 +52,9 @@ class ModelConfig:
         attention_backend: "xla" | "reference" | "pallas".
         max_logprobs: the most logprobs / prompt_logprobs a request may ask for.
         download_dir: where conversions are cached.
+        quantization: None (float weights), "int8" | "w8a8" | "fp8" (float weights quantized
+            on load, or an fp8 checkpoint), "awq" | "gptq" (4-bit checkpoints), or "gguf" (a
+            GGUF file, dequantized on load).
     """
 
     model: str
@@ -63,6 +70,7 @@ class ModelConfig:
     attention_backend: str
     max_logprobs: int = 20
     download_dir: str | None = None
+    quantization: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +81,8 @@ class CacheConfig:
     engine may use on an accelerator. num_gpu_blocks_override / kv_cache_memory_bytes: fix
     the pool size (blocks / bytes) instead of measuring memory. enable_prefix_caching:
     automatic prefix caching. swap_space: GiB of host memory for swapped-out blocks.
-    kv_cache_dtype: "auto" (the model dtype).
+    kv_cache_dtype: "auto" (the model dtype), "fp8" / "fp8_e4m3" (float8_e4m3fn) or
+    "fp8_e5m2" (float8_e5m2), with the checkpoint's k/v scales or 1.0.
     """
 
     block_size: int = 16
@@ -99,10 +108,8 @@ class CacheConfig:
             raise _bad("kv_cache_memory_bytes", "> 0", self.kv_cache_memory_bytes)
         if self.swap_space < 0:
             raise _bad("swap_space", ">= 0", self.swap_space)
-        if self.kv_cache_dtype != "auto":
-            raise _bad(
-                "kv_cache_dtype", "'auto' (fp8 KV cache is not supported yet)", self.kv_cache_dtype
-            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise _bad("kv_cache_dtype", f"one of {KV_CACHE_DTYPES}", self.kv_cache_dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,7 +257,18 @@ class EngineArgs:
     )
     enable_prefix_caching: bool = _field(True, "Automatic prefix caching.")
     swap_space: float = _field(4.0, "Host memory (GiB) for swapped-out KV blocks.")
-    kv_cache_dtype: str = _field("auto", "KV cache dtype.", choices=("auto",))
+    kv_cache_dtype: str = _field(
+        "auto",
+        "KV cache dtype: 'auto' (the model dtype) or fp8 (float8 e4m3, scaled by the "
+        "checkpoint's k/v scales, else 1.0).",
+        choices=KV_CACHE_DTYPES,
+    )
+    quantization: str | None = _field(
+        None,
+        "Weight quantization: int8 (weight-only), w8a8, fp8 (quantized on load), awq, gptq "
+        "(4-bit checkpoints); default: the checkpoint's quantization_config.",
+        choices=QUANTIZATION_METHODS,
+    )
     enable_chunked_prefill: bool = _field(True, "Prefill long prompts over several steps.")
     scheduling_policy: str = _field("fcfs", "Scheduling policy.", choices=("fcfs", "priority"))
     preemption_mode: str = _field(
@@ -327,7 +345,7 @@ class EngineArgs:
         """
         import jax
 
-        from pagedjax.models import loader
+        from pagedjax.models import loader, quant_loader
         from pagedjax.sharding import distributed
 
         distributed.initialize(self.coordinator_address, self.num_processes, self.process_id)
@@ -336,11 +354,16 @@ class EngineArgs:
             raise _bad("dtype", f"one of {DTYPES}", self.dtype)
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise _bad("attention_backend", f"one of {ATTENTION_BACKENDS}", self.attention_backend)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise _bad("kv_cache_dtype", f"one of {KV_CACHE_DTYPES}", self.kv_cache_dtype)
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise _bad("quantization", f"None or one of {QUANTIZATION_METHODS}", self.quantization)
         if self.max_logprobs < 0:
             raise _bad("max_logprobs", ">= 0", self.max_logprobs)
         if self.max_model_len is not None and self.max_model_len < 1:
             raise _bad("max_model_len", ">= 1", self.max_model_len)
         source = loader.resolve_model_source(self.model)
+        quantization = quant_loader.resolve_quantization(self.quantization, source)
         arch = loader.load_arch_config(source)
         on_cpu = jax.default_backend() == "cpu"
         dtype = self.dtype
@@ -400,6 +423,7 @@ class EngineArgs:
             attention_backend=backend,
             max_logprobs=self.max_logprobs,
             download_dir=self.download_dir,
+            quantization=quantization,
         )
         if self.num_processes > 1 and self.preemption_mode == "swap":
             raise ValueError(

@@ -74,7 +74,15 @@ class LLMEngine:
                 axes = axes[part]
             return self.plan.sharding(axes)
 
-        params = loader.load_params(source, mc.arch, mc.dtype, sharding_for=sharding_for)
+        params = loader.load_params(
+            source,
+            mc.arch,
+            mc.dtype,
+            sharding_for=sharding_for,
+            quantization=mc.quantization,
+            kv_cache_dtype=cc.kv_cache_dtype,
+        )
+        params = jax.device_put(params, self.plan.param_shardings(params, logical))
         load_s = time.perf_counter() - t0
         self.runner = ModelRunner(config, params, self.plan)
         num_blocks = self.runner.determine_num_blocks()
@@ -84,12 +92,15 @@ class LLMEngine:
         self.runner.allocate_kv_cache(num_blocks, num_host_blocks)
         usable_tokens = (num_blocks - 1) * cc.block_size
         logger.info(
-            "model %s loaded in %.1f s (%s, %s); KV cache: %d blocks of %d tokens "
-            "(%d tokens, %.2f GiB); maximum concurrency for %d tokens per request: %.2fx",
+            "model %s loaded in %.1f s (%s, quantization %s, %s); KV cache (%s): %d blocks of "
+            "%d tokens (%d tokens, %.2f GiB); maximum concurrency for %d tokens per request: "
+            "%.2fx",
             mc.served_model_name,
             load_s,
             mc.dtype,
+            mc.quantization,
             jax.default_backend(),
+            self.runner.kv_dtype.name,
             num_blocks,
             cc.block_size,
             usable_tokens,

@@ -32,6 +32,7 @@ from pagedjax.ops.kv_cache import (
     KVCache,
     init_kv_cache,
     kv_cache_bytes_per_block,
+    kv_cache_jnp_dtype,
     kv_cache_shape,
 )
 from pagedjax.ops.sampling import (
@@ -118,6 +119,7 @@ class ModelRunner:
         self.max_model_len = mc.max_model_len
         self.max_logprobs = mc.max_logprobs
         self.dtype = jnp.dtype(mc.dtype)
+        self.kv_dtype = kv_cache_jnp_dtype(cc.kv_cache_dtype, mc.dtype)  # float8 for "fp8"
         chunk_pages = max(1, KV_CHUNK_TOKENS // cc.block_size)
         self.num_slots = sc.max_num_seqs + 1  # the last one is the scratch slot of padding
         self.builder = BatchBuilder(
@@ -158,7 +160,7 @@ class ModelRunner:
     def bytes_per_block(self) -> int:
         a = self.arch
         return kv_cache_bytes_per_block(
-            a.num_hidden_layers, self.block_size, a.num_key_value_heads, a.head_dim, self.dtype
+            a.num_hidden_layers, self.block_size, a.num_key_value_heads, a.head_dim, self.kv_dtype
         )
 
     def determine_num_blocks(self) -> int:
@@ -205,7 +207,7 @@ class ModelRunner:
         shape = kv_cache_shape(
             a.num_hidden_layers, 2, self.block_size, a.num_key_value_heads, a.head_dim
         )
-        kv_spec = (jax.ShapeDtypeStruct(shape, self.dtype, sharding=self.plan.kv_cache()),) * 2
+        kv_spec = (jax.ShapeDtypeStruct(shape, self.kv_dtype, sharding=self.plan.kv_cache()),) * 2
         compiled = self._lower_step(self.builder.buckets[-1], kv_spec).compile()
         return int(getattr(compiled.memory_analysis(), "temp_size_in_bytes", 0) or 0)
 
@@ -217,11 +219,11 @@ class ModelRunner:
         shape = kv_cache_shape(
             a.num_hidden_layers, num_blocks, self.block_size, a.num_key_value_heads, a.head_dim
         )
-        self.kv_cache = init_kv_cache(shape, self.dtype, self.plan.kv_cache())
+        self.kv_cache = init_kv_cache(shape, self.kv_dtype, self.plan.kv_cache())
         self.num_host_blocks = num_host_blocks
         if num_host_blocks:
             host_shape = (2, a.num_hidden_layers, num_host_blocks + 1, *shape[2:])
-            self.host_cache = np.zeros(host_shape, self.dtype)
+            self.host_cache = np.zeros(host_shape, self.kv_dtype)
 
     # ----------------------------------------------------------------- compilation
 

@@ -20,8 +20,12 @@ Params pytree (every layer weight is stacked on a leading L axis and run by `jax
     layers/down_proj   [L, F, D]
     final_norm         [D]
     lm_head            [D, V]           (absent when the embeddings are tied)
+    layers/k_scale     [L] float32      layers/v_scale        [L] float32
+                       (a float8 KV cache's per-layer scales from the checkpoint; absent: 1.0)
 
 Weights are stored as [in, out] (the transpose of torch.nn.Linear), so `x @ w` is the layer.
+With `quantization`, the seven linear weights of a layer are `ops.quant.QuantizedWeight`s of
+the same logical shape, and every linear layer runs through `ops.quant.linear`.
 """
 
 from __future__ import annotations
@@ -36,7 +40,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pagedjax.ops.attention import AttentionMetadata, ragged_paged_attention
-from pagedjax.ops.kv_cache import KVCache, write_kv
+from pagedjax.ops.kv_cache import KVCache, is_quantized_cache, write_kv
+from pagedjax.ops.quant import linear
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -267,7 +272,9 @@ def forward(
 
     Args:
         params: the pytree in the module docstring.
-        kv_cache: (k_cache, v_cache), each [L, num_blocks, block_size, K, H]; donate it.
+        kv_cache: (k_cache, v_cache), each [L, num_blocks, block_size, K, H] in the model
+            dtype or float8 (then read and written with `layers/k_scale`, `layers/v_scale`);
+            donate it.
         input_ids: [T] int32 token ids.
         positions: [T] int32 absolute positions (RoPE and the causal mask).
         md: attention metadata for the step (slot mapping, block tables, sequence lengths).
@@ -282,27 +289,42 @@ def forward(
     scale = 1.0 / math.sqrt(H)
     T = input_ids.shape[0]
     h = params["embed_tokens"][input_ids]  # [T, D]
+    fp8_cache = is_quantized_cache(kv_cache[0].dtype)
 
     def layer(carry, xs):
         h, (k_cache, v_cache) = carry
         w, layer_idx = xs
         x = rms_norm(h, w["input_norm"], cfg.rms_norm_eps)
-        q = x @ w["q_proj"]  # [T, N*H]
-        k = x @ w["k_proj"]  # [T, K*H]
-        v = x @ w["v_proj"]
+        q = linear(x, w["q_proj"])  # [T, N*H]
+        k = linear(x, w["k_proj"])  # [T, K*H]
+        v = linear(x, w["v_proj"])
         if cfg.attention_bias:
             q, k, v = q + w["q_bias"], k + w["k_bias"], v + w["v_bias"]
         q = apply_rope(q.reshape(T, N, H), positions, inv_freq)  # [T, N, H]
         k = apply_rope(k.reshape(T, K, H), positions, inv_freq)  # [T, K, H]
         v = v.reshape(T, K, H)
-        k_cache, v_cache = write_kv(k_cache, v_cache, layer_idx, k, v, md.slot_mapping)
+        # A float8 cache always gets explicit scalar scales (1.0 unless the checkpoint has them).
+        one = jnp.ones((), jnp.float32)
+        k_scale = w.get("k_scale", one) if fp8_cache else None
+        v_scale = w.get("v_scale", one) if fp8_cache else None
+        k_cache, v_cache = write_kv(
+            k_cache, v_cache, layer_idx, k, v, md.slot_mapping, k_scale, v_scale
+        )
         attn = ragged_paged_attention(
-            q, k_cache, v_cache, layer_idx, md, sm_scale=scale, backend=attention_backend
+            q,
+            k_cache,
+            v_cache,
+            layer_idx,
+            md,
+            sm_scale=scale,
+            backend=attention_backend,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )  # [T, N, H]
-        h = h + attn.reshape(T, N * H).astype(h.dtype) @ w["o_proj"]
+        h = h + linear(attn.reshape(T, N * H).astype(h.dtype), w["o_proj"])
         x = rms_norm(h, w["post_attn_norm"], cfg.rms_norm_eps)
-        mlp = jax.nn.silu(x @ w["gate_proj"]) * (x @ w["up_proj"])  # [T, F]
-        h = h + mlp @ w["down_proj"]
+        mlp = jax.nn.silu(linear(x, w["gate_proj"])) * linear(x, w["up_proj"])  # [T, F]
+        h = h + linear(mlp, w["down_proj"])
         return (h, (k_cache, v_cache)), None
 
     layer_ids = jnp.arange(cfg.num_hidden_layers, dtype=jnp.int32)

@@ -14,6 +14,11 @@ never holds more than the checkpoint's memory map and one stacked weight.
 A GGUF file is converted once into an orbax folder under the cache directory (dequantizing
 and building the tokenizer from GGUF metadata takes tens of seconds); later loads of the
 same file (same path, size and mtime) read that folder.
+
+Quantization (`load_params(..., quantization=)`, details in `models.quant_loader`): AWQ, GPTQ
+and fp8 checkpoints are read in their published layouts; "int8", "w8a8" and "fp8" quantize
+float weights on load, one stacked weight at a time on the device; `save_converted` writes
+quantized params too, so that quantizing on load happens once.
 """
 
 from __future__ import annotations
@@ -34,7 +39,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pagedjax.models import quant_loader
 from pagedjax.models.llama import LlamaArchConfig, param_shapes
+from pagedjax.ops import quant
 
 logger = logging.getLogger(__name__)
 
@@ -197,6 +204,8 @@ def load_params(
     cfg: LlamaArchConfig,
     dtype: str = "float32",
     sharding_for: Callable[[str], Any] | None = None,
+    quantization: str | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> dict[str, Any]:
     """Loads a source's weights into the `models.llama` params pytree on the device.
 
@@ -205,19 +214,55 @@ def load_params(
         cfg: the source's architecture.
         dtype: "float32", "bfloat16" or "float16"; weights are converted on the host.
         sharding_for: optional map from a param path ("layers/q_proj") to a jax Sharding.
+        quantization: None, or a method of `ops.quant.METHODS` as `resolve_quantization`
+            returns it: the checkpoint's own ("awq", "gptq", "fp8", or a saved conversion's),
+            or "int8" / "w8a8" / "fp8" to quantize float weights on load ("gguf": as None).
+        kv_cache_dtype: "auto" drops a checkpoint's KV-cache scales; a float8 cache keeps
+            them as `layers/k_scale`, `layers/v_scale` [L] float32.
 
     Raises:
         ValueError: a missing file or tensor, an unexpected tensor, or a wrong shape; the
-            message names it.
+            message names it. A quantization the checkpoint contradicts.
     """
     np_dtype = jnp.dtype(dtype)
     place = _default_place(sharding_for)
+    quantization = None if quantization == "gguf" else quantization
+    ckpt_q = quant_loader.checkpoint_quantization(source)
+    if ckpt_q is not None and quantization not in (None, ckpt_q.method):
+        raise ValueError(
+            f"quantization={quantization!r} does not match the checkpoint's {ckpt_q.method!r}"
+        )
+    on_load = quantization if ckpt_q is None else None  # quantize float weights on load
+    keep_kv_scales = kv_cache_dtype != "auto"
     if source.kind == "orbax":
-        return restore_params(Path(source.path) / "params", cfg, dtype, sharding_for)
+        params = restore_params(
+            Path(source.path) / "params",
+            cfg,
+            dtype,
+            sharding_for,
+            quant_method=ckpt_q.method if ckpt_q else None,
+        )
+        if not keep_kv_scales:
+            params["layers"] = {
+                k: v for k, v in params["layers"].items() if k not in ("k_scale", "v_scale")
+            }
+        return quant.quantize_params(params, on_load) if on_load else params
+    if on_load:
+        place = quant_loader.quantizing_place(place, on_load)
     stack = _StackedParams(cfg, np_dtype, place)
+    collector = quant_loader.QuantTensorCollector(cfg.num_hidden_layers, ckpt_q, keep_kv_scales)
     tensors = _hf_tensors(source.path) if source.kind == "hf" else _gguf_tensors(source.path, cfg)
     for name, value in tensors:
+        if source.kind == "hf" and collector.accept(name, value):
+            continue
         _assign(stack, cfg, name, value, source.kind)
+    weights, kv_scales = collector.finish()
+    quant_loader.check_linear_shapes(weights, stack.shapes["layers"])
+    for target, w in weights.items():
+        sharding = sharding_for("layers/" + target) if sharding_for else None
+        stack.params["layers"][target] = quant_loader.place_quantized(w, sharding)
+    for name, value in kv_scales.items():
+        stack.params["layers"][name] = jax.device_put(value)
     return stack.finish(f"checkpoint {source.path!r}")
 
 
@@ -329,7 +374,10 @@ def _hf_tensors(folder: str) -> Iterator[tuple[str, np.ndarray]]:
     for path in paths:
         with safe_open(str(path), framework="numpy") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                yield name, f.get_tensor(name)
+                if quant_loader.is_fp8_safetensors_dtype(f.get_slice(name).get_dtype()):
+                    yield name, quant_loader.read_fp8_tensor(path, name)
+                else:
+                    yield name, f.get_tensor(name)
 
 
 # ----------------------------------------------------------------------------- GGUF
@@ -442,8 +490,12 @@ def restore_params(
     cfg: LlamaArchConfig,
     dtype: str = "float32",
     sharding_for: Callable[[str], Any] | None = None,
+    quant_method: str | None = None,
 ) -> dict[str, Any]:
     """Reads a params pytree saved by `save_params`, in `dtype`, checking every shape.
+
+    Quantized linear weights (saved as `QuantizedWeight`s, `quant_method` says which method)
+    keep their stored dtypes; saved KV-cache scales are restored too.
 
     Raises:
         ValueError: the folder is missing, or a tensor is missing or mis-shaped.
@@ -456,29 +508,37 @@ def restore_params(
     shapes = param_shapes(cfg)
     device = jax.devices()[0]
 
-    def target(name, shape):
+    def target(name, shape, leaf_dtype=None):
         sharding = (
             sharding_for(name) if sharding_for else None
         ) or jax.sharding.SingleDeviceSharding(device)
-        return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=sharding)
+        return jax.ShapeDtypeStruct(shape, jnp.dtype(leaf_dtype or dtype), sharding=sharding)
 
     abstract = {k: target(k, v) for k, v in shapes.items() if k != "layers"}
     abstract["layers"] = {k: target("layers/" + k, v) for k, v in shapes["layers"].items()}
     with _quiet_absl(), ocp.StandardCheckpointer() as ckptr:
         meta = ckptr.metadata(path)
         tree = getattr(meta, "item_metadata", meta)
-        stored = {k for k in (tree or {}) if k != "layers"} | {
-            "layers/" + k for k in ((tree or {}).get("layers") or {})
-        }
+        tree = getattr(tree, "tree", tree)
+        saved_layers = dict((tree or {}).get("layers") or {})
+        quant_loader.match_saved_layers(
+            saved_layers, abstract["layers"], shapes["layers"], quant_method, target
+        )
+        stored = {k for k in (tree or {}) if k != "layers"} | {"layers/" + k for k in saved_layers}
         wanted = {k for k in abstract if k != "layers"} | {
-            "layers/" + k for k in abstract["layers"]
+            "layers/" + k for k in abstract["layers"] if k in shapes["layers"]
         }
         if tree is not None and stored != wanted:
             raise ValueError(
                 f"params in {str(path)!r} do not match the architecture: missing "
                 f"{sorted(wanted - stored)}, unexpected {sorted(stored - wanted)}"
             )
-        return ckptr.restore(path, abstract)
+        params = ckptr.restore(path, abstract)
+    quant_loader.check_linear_shapes(
+        {k: v for k, v in params["layers"].items() if isinstance(v, quant.QuantizedWeight)},
+        shapes["layers"],
+    )
+    return params
 
 
 def save_converted(
@@ -487,7 +547,26 @@ def save_converted(
     """Writes a reloadable folder: config.json, the tokenizer, params/ and a marker file."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    hf_like = {
+    hf_like = hf_config_dict(cfg, str(params["embed_tokens"].dtype))
+    methods = {w.method for w in params["layers"].values() if isinstance(w, quant.QuantizedWeight)}
+    if methods:  # our own record of the method; `pagedjax` marks it as a conversion's
+        hf_like["quantization_config"] = {"quant_method": methods.pop(), "pagedjax": True}
+    with open(out / "config.json", "w") as f:
+        json.dump(hf_like, f, indent=1)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(out))
+    if (out / "params").exists():
+        import shutil
+
+        shutil.rmtree(out / "params")
+    save_params(out / "params", params)
+    with open(out / _CONVERTED_MARKER, "w") as f:
+        json.dump({"origin": origin}, f)
+
+
+def hf_config_dict(cfg: LlamaArchConfig, dtype: str) -> dict[str, Any]:
+    """A Hugging Face style config.json dict of an architecture."""
+    return {
         "architectures": [cfg.architecture],
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_size,
@@ -507,19 +586,8 @@ def save_converted(
         "max_position_embeddings": cfg.max_position_embeddings,
         "bos_token_id": cfg.bos_token_id,
         "eos_token_id": list(cfg.eos_token_ids),
-        "dtype": str(jax.tree.leaves(params)[0].dtype),
+        "dtype": dtype,
     }
-    with open(out / "config.json", "w") as f:
-        json.dump(hf_like, f, indent=1)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(str(out))
-    if (out / "params").exists():
-        import shutil
-
-        shutil.rmtree(out / "params")
-    save_params(out / "params", params)
-    with open(out / _CONVERTED_MARKER, "w") as f:
-        json.dump({"origin": origin}, f)
 
 
 # ----------------------------------------------------------------------------- tokenizer

@@ -4,6 +4,12 @@ Layout: two arrays, K and V, each [L, num_blocks, block_size, K, H] (layers, phy
 slots in a block, KV heads, head dim). A token's physical slot is
 `block_id * block_size + offset`; block 0 is the reserved null block that padding tokens
 write into and padding block-table entries point at, so no real token ever lives there.
+
+Dtype (`kv_cache_dtype`, vLLM's names): "auto" stores K/V in the model dtype; "fp8" (=
+"fp8_e4m3") stores float8_e4m3fn and "fp8_e5m2" float8_e5m2, a quarter of float32's bytes.
+A quantized cache holds `value / scale`, saturated at the format's largest finite value, with
+one float32 scale per layer for K and one for V (vLLM's per-tensor `k_scale` / `v_scale`):
+the checkpoint's when it has them, else 1.0 (vLLM's default without calibrated scales).
 """
 
 from __future__ import annotations
@@ -11,8 +17,38 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pagedjax.ops.quant import to_fp8
+
 # (k_cache, v_cache), each [L, num_blocks, block_size, K, H].
 KVCache = tuple[jax.Array, jax.Array]
+
+# kv_cache_dtype values other than "auto" and what they store.
+FP8_KV_CACHE_DTYPES = {
+    "fp8": jnp.float8_e4m3fn,
+    "fp8_e4m3": jnp.float8_e4m3fn,
+    "fp8_e5m2": jnp.float8_e5m2,
+}
+
+
+def kv_cache_jnp_dtype(kv_cache_dtype: str, model_dtype):
+    """The array dtype of the cache: the model dtype for "auto", else the float8 format.
+
+    Raises:
+        ValueError: an unknown `kv_cache_dtype` (the message lists the known ones).
+    """
+    if kv_cache_dtype == "auto":
+        return jnp.dtype(model_dtype)
+    if kv_cache_dtype not in FP8_KV_CACHE_DTYPES:
+        raise ValueError(
+            f"kv_cache_dtype must be 'auto' or one of {sorted(FP8_KV_CACHE_DTYPES)}, "
+            f"got {kv_cache_dtype!r}"
+        )
+    return jnp.dtype(FP8_KV_CACHE_DTYPES[kv_cache_dtype])
+
+
+def is_quantized_cache(dtype) -> bool:
+    """True for a float8 cache, whose values are read as `value * scale`."""
+    return jnp.dtype(dtype) in {jnp.dtype(d) for d in FP8_KV_CACHE_DTYPES.values()}
 
 
 def kv_cache_shape(
@@ -42,14 +78,18 @@ def write_kv(
     k: jax.Array,
     v: jax.Array,
     slot_mapping: jax.Array,
+    k_scale: jax.Array | float | None = None,
+    v_scale: jax.Array | float | None = None,
 ) -> KVCache:
-    """Scatters one layer's new K/V into their slots.
+    """Scatters one layer's new K/V into their slots (quantizing them for a float8 cache).
 
     Args:
         k_cache, v_cache: [L, num_blocks, block_size, K, H].
         layer: scalar layer index (may be traced inside `lax.scan`).
         k, v: [T, K, H] the new keys and values of the step's tokens.
         slot_mapping: [T] int32 physical slot of each token (padding tokens: a slot of block 0).
+        k_scale, v_scale: a float8 cache's scalar float32 scales of this layer (None: 1.0):
+            the cache stores `saturate(k / k_scale)`. Ignored for a cache in a wider dtype.
 
     Returns:
         The updated (k_cache, v_cache); in place when the caller donates the cache.
@@ -57,6 +97,14 @@ def write_kv(
     block_size = k_cache.shape[2]
     blocks = slot_mapping // block_size  # [T]
     offsets = slot_mapping % block_size  # [T]
-    k_cache = k_cache.at[layer, blocks, offsets].set(k.astype(k_cache.dtype))
-    v_cache = v_cache.at[layer, blocks, offsets].set(v.astype(v_cache.dtype))
+    k_cache = k_cache.at[layer, blocks, offsets].set(_to_cache(k, k_cache.dtype, k_scale))
+    v_cache = v_cache.at[layer, blocks, offsets].set(_to_cache(v, v_cache.dtype, v_scale))
     return k_cache, v_cache
+
+
+def _to_cache(x: jax.Array, dtype, scale) -> jax.Array:
+    """x [T, K, H] in the cache's dtype: divided by `scale` and saturated for float8."""
+    if not is_quantized_cache(dtype):
+        return x.astype(dtype)
+    x32 = x.astype(jnp.float32)
+    return to_fp8(x32 if scale is None else x32 / scale, dtype)

