@@ -63,7 +63,7 @@ def report(tmp_path_factory, compile_cache_dir):
             str(HERE / "sharding_worker.py"),
             str(folder),
             compile_cache_dir,
-            "single,tp2,tp4,dp2,dp2-tp2",
+            "single,tp2,tp4,dp2,dp2-tp2,int8,tp2-int8",
         ],
         capture_output=True,
         text=True,
@@ -78,6 +78,15 @@ def report(tmp_path_factory, compile_cache_dir):
 @pytest.mark.parametrize("layout", ["tp2", "tp4", "dp2", "dp2-tp2"])
 def test_greedy_output_identical_to_one_device(report, layout):
     assert report[layout]["tokens"] == report["single"]["tokens"]
+
+
+def test_int8_weights_under_tensor_parallelism(report):
+    """Quantized columns split over the tensor axis give the single-device int8 output."""
+    assert report["tp2-int8"]["tokens"] == report["int8"]["tokens"]
+    params = report["tp2-int8"]["replicas"][0]["params"]
+    assert params["['layers']['q_proj'].qweight"] == [[2, 64, 32]] * 2  # out columns split
+    assert params["['layers']['q_proj'].scales"] == [[2, 32]] * 2
+    assert params["['layers']['o_proj'].qweight"] == [[2, 64, 64]] * 2  # row-parallel: whole
 
 
 @pytest.mark.parametrize(
