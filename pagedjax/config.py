@@ -194,12 +194,6 @@ class ParallelConfig:
             raise _bad("process_id", f"in [0, num_processes={self.num_processes})", self.process_id)
         if self.num_processes > 1 and not self.coordinator_address:
             raise ValueError("num_processes > 1 needs coordinator_address (host:port of process 0)")
-        if self.pipeline_parallel_size != 1:
-            raise _bad(
-                "pipeline_parallel_size",
-                "1 (pipeline parallelism is not supported yet)",
-                self.pipeline_parallel_size,
-            )
 
     @property
     def world_size(self) -> int:
@@ -365,6 +359,11 @@ class EngineArgs:
         source = loader.resolve_model_source(self.model)
         quantization = quant_loader.resolve_quantization(self.quantization, source)
         arch = loader.load_arch_config(source)
+        if arch.num_hidden_layers % self.pipeline_parallel_size:
+            raise ValueError(
+                f"pipeline_parallel_size ({self.pipeline_parallel_size}) must divide the "
+                f"model's {arch.num_hidden_layers} layers"
+            )
         on_cpu = jax.default_backend() == "cpu"
         dtype = self.dtype
         if dtype == "auto":

@@ -21,6 +21,8 @@ LAYOUTS = {
     "tp4": {"tensor_parallel_size": 4},
     "dp2": {"data_parallel_size": 2},
     "dp2-tp2": {"data_parallel_size": 2, "tensor_parallel_size": 2},
+    "pp2": {"pipeline_parallel_size": 2},
+    "pp2-tp2": {"pipeline_parallel_size": 2, "tensor_parallel_size": 2},
     "int8": {"quantization": "int8"},
     "tp2-int8": {"quantization": "int8", "tensor_parallel_size": 2},
 }

@@ -33,11 +33,15 @@ FULL = {
 }
 
 
-def expected_shards(tp: int) -> dict[str, list[int]]:
-    """Per-device shapes under tensor parallelism, worked out by hand from the rules:
+def expected_shards(tp: int, pp: int = 1) -> dict[str, list[int]]:
+    """Per-device shapes, worked out by hand from the rules: under tensor parallelism the
     columns of q/k/v/gate/up, rows of o/down, and the vocab of embedding and head split tp
-    ways; k/v stay whole when tp does not divide the 2 KV heads."""
+    ways (k/v stay whole when tp does not divide the 2 KV heads); under pipeline parallelism
+    the stacked layer axis splits pp ways."""
     s = {k: list(v) for k, v in FULL.items()}
+    for k in s:
+        if k.startswith("['layers']"):
+            s[k][0] //= pp
     if tp == 1:
         return s
     s["['embed_tokens']"][0] //= tp
@@ -63,7 +67,7 @@ def report(tmp_path_factory, compile_cache_dir):
             str(HERE / "sharding_worker.py"),
             str(folder),
             compile_cache_dir,
-            "single,tp2,tp4,dp2,dp2-tp2,int8,tp2-int8",
+            "single,tp2,tp4,dp2,dp2-tp2,pp2,pp2-tp2,int8,tp2-int8",
         ],
         capture_output=True,
         text=True,
@@ -75,7 +79,7 @@ def report(tmp_path_factory, compile_cache_dir):
     return json.loads(line[len("REPORT ") :])
 
 
-@pytest.mark.parametrize("layout", ["tp2", "tp4", "dp2", "dp2-tp2"])
+@pytest.mark.parametrize("layout", ["tp2", "tp4", "dp2", "dp2-tp2", "pp2", "pp2-tp2"])
 def test_greedy_output_identical_to_one_device(report, layout):
     assert report[layout]["tokens"] == report["single"]["tokens"]
 
@@ -90,23 +94,31 @@ def test_int8_weights_under_tensor_parallelism(report):
 
 
 @pytest.mark.parametrize(
-    "layout,tp,replicas",
-    [("single", 1, 1), ("tp2", 2, 1), ("tp4", 4, 1), ("dp2", 1, 2), ("dp2-tp2", 2, 2)],
+    "layout,tp,pp,replicas",
+    [
+        ("single", 1, 1, 1),
+        ("tp2", 2, 1, 1),
+        ("tp4", 4, 1, 1),
+        ("dp2", 1, 1, 2),
+        ("dp2-tp2", 2, 1, 2),
+        ("pp2", 1, 2, 1),
+        ("pp2-tp2", 2, 2, 1),
+    ],
 )
-def test_per_device_shard_shapes(report, layout, tp, replicas):
+def test_per_device_shard_shapes(report, layout, tp, pp, replicas):
     reps = report[layout]["replicas"]
     assert len(reps) == replicas
     devices = [d for r in reps for d in r["devices"]]
-    assert len(devices) == len(set(devices)) == tp * replicas  # disjoint device slices
-    want = expected_shards(tp)
+    assert len(devices) == len(set(devices)) == tp * pp * replicas  # disjoint slices
+    want = expected_shards(tp, pp)
     for rep in reps:
         assert set(rep["params"]) == set(want)
         for name, shapes in rep["params"].items():
-            assert shapes == [want[name]] * tp, name
+            assert shapes == [want[name]] * tp * pp, name
         kv_heads = 2 // tp if 2 % tp == 0 else 2
         for shapes in rep["kv"].values():
-            assert [s[3] for s in shapes] == [kv_heads] * tp
-            assert all(s[:3] == [2, 40, 16] and s[4] == 16 for s in shapes)
+            assert [s[3] for s in shapes] == [kv_heads] * tp * pp
+            assert all(s[:3] == [2 // pp, 40, 16] and s[4] == 16 for s in shapes)
         assert rep["free_blocks"] == rep["usable_blocks"]
 
 

@@ -115,6 +115,19 @@ class PackedLayout:
 
 
 @dataclasses.dataclass
+class StepBatch:
+    """A packed step. buffer: [size] int32, or [M, size] for M micro-batches (M > 0);
+    sample_rows[i]: the sampler row of sequence i (micro-batch m's row r is m * S + r);
+    token_rows[i]: the flat indices (m * T + offset) of sequence i's scheduled tokens."""
+
+    layout: PackedLayout
+    buffer: np.ndarray
+    sample_rows: list[int]
+    token_rows: list[np.ndarray]
+    num_microbatches: int
+
+
+@dataclasses.dataclass
 class SeqInput:
     """What one sequence computes in a step.
 
@@ -191,8 +204,69 @@ class BatchBuilder:
                 return b
         raise ValueError(f"{num_tokens} tokens exceed max_num_batched_tokens={self.buckets[-1]}")
 
-    def build(self, seqs: list[SeqInput]) -> tuple[PackedLayout, np.ndarray]:
-        """Packs the step's sequences (in order) into the buffer of their bucket.
+    def microbatch_layout(self, num_tokens_bucket: int, num_microbatches: int) -> PackedLayout:
+        """The layout of each of the M micro-batches of a bucket (T / M tokens, rounded up)."""
+        return self.layout(-(-num_tokens_bucket // num_microbatches))
+
+    def build_step(self, seqs: list[SeqInput], num_microbatches: int = 0) -> StepBatch:
+        """Packs a step: one buffer (`num_microbatches` 0), or [M, size] micro-batches cut at
+        equal token counts, a sequence cut in two continuing in the next micro-batch (its
+        first part samples nothing)."""
+        if not num_microbatches:
+            layout, buf = self.build(seqs)
+            v = layout.views(buf)
+            qsl = v["query_start_loc"]
+            return StepBatch(
+                layout,
+                buf,
+                list(range(len(seqs))),
+                [np.arange(qsl[i], qsl[i + 1]) for i in range(len(seqs))],
+                0,
+            )
+        M = num_microbatches
+        total = sum(len(s.token_ids) for s in seqs)
+        layout = self.microbatch_layout(self.bucket_for(total, len(seqs)), M)
+        Tm, Sm = layout.num_tokens, layout.num_seqs
+        groups: list[list[tuple[int, SeqInput]]] = [[] for _ in range(M)]
+        m = used = 0
+        for i, s in enumerate(seqs):
+            n, off = len(s.token_ids), 0
+            while off < n:
+                if used == Tm or len(groups[m]) == Sm:
+                    m, used = m + 1, 0
+                take = min(n - off, Tm - used)
+                last = off + take == n
+                part = dataclasses.replace(
+                    s,
+                    token_ids=s.token_ids[off : off + take],
+                    start=s.start + off,
+                    counts=s.counts and last,
+                    want_top=s.want_top and last,
+                    banned=s.banned if last else (),
+                    prompt_targets=None
+                    if s.prompt_targets is None
+                    else s.prompt_targets[off : off + take],
+                )
+                groups[m].append((i, part))
+                used += take
+                off += take
+        bufs = np.zeros((M, layout.size), np.int32)
+        sample_rows = [0] * len(seqs)
+        token_rows: list[list[np.ndarray]] = [[] for _ in seqs]
+        for m, group in enumerate(groups):
+            _, buf = self.build([p for _, p in group], layout)
+            bufs[m] = buf
+            qsl = layout.views(buf)["query_start_loc"]
+            for row, (i, _) in enumerate(group):
+                sample_rows[i] = m * Sm + row  # the last part's row wins
+                token_rows[i].append(m * Tm + np.arange(qsl[row], qsl[row + 1]))
+        return StepBatch(layout, bufs, sample_rows, [np.concatenate(t) for t in token_rows], M)
+
+    def build(
+        self, seqs: list[SeqInput], layout: PackedLayout | None = None
+    ) -> tuple[PackedLayout, np.ndarray]:
+        """Packs the step's sequences (in order) into the buffer of their bucket (or of
+        `layout`).
 
         Padding: tokens have id 0, position 0 and slot 0 (null block); sequence rows have
         seq_len 0, an all-null block table and `last_token_index` = T; tiles past
@@ -200,7 +274,10 @@ class BatchBuilder:
         """
         lens = [len(s.token_ids) for s in seqs]
         total = sum(lens)
-        layout = self.layout(self.bucket_for(total, len(seqs)))
+        if layout is None:
+            layout = self.layout(self.bucket_for(total, len(seqs)))
+        elif total > layout.num_tokens or len(seqs) > layout.num_seqs:
+            raise ValueError(f"{len(seqs)} sequences of {total} tokens exceed {layout}")
         buf = self._buffers.get(layout.num_tokens)
         if buf is None:
             buf = self._buffers[layout.num_tokens] = np.zeros(layout.size, np.int32)

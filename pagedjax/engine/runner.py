@@ -131,9 +131,20 @@ class ModelRunner:
             kv_chunk_pages=chunk_pages,
             scratch_slot=self.num_slots - 1,
         )
+        pp = config.parallel_config.pipeline_parallel_size
+        self.num_microbatches = pp if pp > 1 else 0  # one micro-batch per stage
         self._jit_step = jax.jit(
             step_fn.step,
-            static_argnames=("layout", "cfg", "backend", "tile", "chunk_pages", "max_logprobs"),
+            static_argnames=(
+                "layout",
+                "cfg",
+                "backend",
+                "tile",
+                "chunk_pages",
+                "max_logprobs",
+                "mesh",
+                "num_microbatches",
+            ),
             donate_argnames=("kv_cache", "sampling_state"),
         )
         self._static = dict(
@@ -195,10 +206,23 @@ class ModelRunner:
         return free // per_block
 
     def _lower_step(self, T: int, kv_spec):
-        layout = self.builder.layout(T)
-        packed = jax.ShapeDtypeStruct((layout.size,), jnp.int32, sharding=self.plan.replicated())
+        M = self.num_microbatches
+        if M:
+            layout = self.builder.microbatch_layout(T, M)
+            shape = (M, layout.size)
+        else:
+            layout = self.builder.layout(T)
+            shape = (layout.size,)
+        packed = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.plan.replicated())
         return self._jit_step.lower(
-            self.params, kv_spec, self.sampling_state, packed, layout=layout, **self._static
+            self.params,
+            kv_spec,
+            self.sampling_state,
+            packed,
+            layout=layout,
+            mesh=self.plan.mesh if M else None,
+            num_microbatches=M,
+            **self._static,
         )
 
     def _activation_bytes(self) -> int:
@@ -227,6 +251,10 @@ class ModelRunner:
 
     # ----------------------------------------------------------------- compilation
 
+    def _layout_key(self, T: int) -> int:
+        M = self.num_microbatches
+        return self.builder.microbatch_layout(T, M).num_tokens if M else T
+
     def warmup(self, use_tqdm: bool = True) -> float:
         """Compiles the step for every token bucket, and the block and sampling-state
         operations. Returns the seconds it took."""
@@ -237,7 +265,8 @@ class ModelRunner:
             jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in self.kv_cache
         )
         for T in tqdm(buckets, desc="Compiling step buckets", disable=not use_tqdm, leave=False):
-            self._executables[T] = self._lower_step(T, kv_spec).compile()
+            exe = self._lower_step(T, kv_spec).compile()
+            self._executables[self._layout_key(T)] = exe
         rep = self.plan.replicated()
 
         def spec(shape, dtype=jnp.int32):
@@ -428,12 +457,12 @@ class ModelRunner:
             return StepResult({}, {})
         ids = list(so.num_scheduled_tokens)
         seqs = [self._seq_input(self.requests[r], n) for r, n in so.num_scheduled_tokens.items()]
-        layout, packed = self.builder.build(seqs)
-        exe = self._executables.get(layout.num_tokens)
+        batch = self.builder.build_step(seqs, self.num_microbatches)
+        exe = self._executables.get(batch.layout.num_tokens)
         if exe is None:
-            raise RuntimeError(f"no compiled step for {layout.num_tokens} tokens; warm up first")
+            raise RuntimeError(f"no compiled step for {batch.layout}; warm up first")
         out, self.kv_cache, self.sampling_state = exe(
-            self.params, self.kv_cache, self.sampling_state, packed
+            self.params, self.kv_cache, self.sampling_state, batch.buffer
         )
         s = out.sampled
         token_ids, logprobs = np.asarray(s.token_ids), np.asarray(s.logprobs)
@@ -443,31 +472,30 @@ class ModelRunner:
         result = StepResult({}, {})
         for i, (req_id, seq) in enumerate(zip(ids, seqs, strict=True)):
             st = self.requests[req_id]
-            n = len(seq.token_ids)
             if seq.prompt_targets is not None:
                 result.prompt_logprobs[req_id] = self._prompt_logprobs(
-                    out, layout, packed, i, seq, st
+                    out, batch.token_rows[i], seq, st
                 )
-            st.num_computed_tokens += n
+            st.num_computed_tokens += len(seq.token_ids)
             if not seq.counts:
                 continue
-            tok = int(token_ids[i])
+            r = batch.sample_rows[i]
+            tok = int(token_ids[r])
             st.token_ids[st.num_tokens] = tok
             st.num_tokens += 1
-            sampled = SampledToken(tok, float(logprobs[i]))
+            sampled = SampledToken(tok, float(logprobs[r]))
             if st.num_logprobs is not None and want_top:
                 k = st.num_logprobs
-                sampled.rank = int(ranks[i])
+                sampled.rank = int(ranks[r])
                 sampled.top = [
-                    (int(a), float(b)) for a, b in zip(top_ids[i, :k], top_lps[i, :k], strict=True)
+                    (int(a), float(b)) for a, b in zip(top_ids[r, :k], top_lps[r, :k], strict=True)
                 ]
             result.sampled[req_id] = sampled
         return result
 
-    def _prompt_logprobs(self, out, layout, packed, i, seq, st) -> PromptLogprobs:
-        q0 = int(layout.views(packed)["query_start_loc"][i])
+    def _prompt_logprobs(self, out, token_rows, seq, st) -> PromptLogprobs:
         valid = np.nonzero(seq.prompt_targets >= 0)[0]
-        rows = q0 + valid
+        rows = token_rows[valid]
         k = st.num_prompt_logprobs
         lp = np.asarray(out.prompt_logprob)[rows]
         rk = np.asarray(out.prompt_rank)[rows]

@@ -28,6 +28,7 @@ from pagedjax.ops.sampling import (
     prompt_logprobs,
     sample,
 )
+from pagedjax.sharding.pipeline import METADATA_FIELDS, pipeline_decoder
 
 PROMPT_LOGPROBS_CHUNK = 128  # positions per inner step of the prompt-logprobs computation
 
@@ -60,48 +61,75 @@ def step(
     tile: int,
     chunk_pages: int,
     max_logprobs: int,
+    mesh=None,
+    num_microbatches: int = 0,
 ):
     """One engine step: the model over the flat batch, logits of each sequence's last token,
-    the sampler, and (when asked) prompt logprobs."""
-    a = layout.unpack(packed)
-    md = AttentionMetadata(
-        slot_mapping=a["slot_mapping"],
-        positions=a["positions"],
-        seq_lens=a["seq_lens"],
-        query_start_loc=a["query_start_loc"],
-        block_tables=a["block_tables"],
-        last_token_index=a["last_token_index"],
-        tile_seq=a["tile_seq"],
-        tile_q_start=a["tile_q_start"],
-        tile_q_len=a["tile_q_len"],
-        tile_kv_len=a["tile_kv_len"],
-        num_tiles=a["num_tiles"],
-        query_tile_size=tile,
-        kv_chunk_pages=chunk_pages,
-    )
-    hidden, kv_cache = llama.forward(
-        params, kv_cache, a["input_ids"], a["positions"], md, cfg=cfg, attention_backend=backend
-    )  # [T, D]
-    logits = llama.compute_logits(params, hidden[a["logits_indices"]])  # [S, V]
+    the sampler, and (when asked) prompt logprobs.
+
+    With `num_microbatches` M > 0 (pipeline parallelism), `packed` is [M, layout.size], one
+    micro-batch per row, run through `sharding.pipeline.pipeline_decoder` on `mesh`; the
+    sampler then sees the M x S rows of all micro-batches, and prompt logprobs the M x T
+    tokens, in micro-batch order.
+    """
+    if num_microbatches:
+        parts = [layout.unpack(packed[m]) for m in range(num_microbatches)]
+        md = {k: jnp.stack([a[k] for a in parts]) for k in METADATA_FIELDS}
+        h = params["embed_tokens"][jnp.stack([a["input_ids"] for a in parts])]  # [M, Tm, D]
+        h, kv_cache = pipeline_decoder(
+            params["layers"],
+            kv_cache,
+            h,
+            md,
+            mesh=mesh,
+            cfg=cfg,
+            attention_backend=backend,
+            tile=tile,
+            chunk_pages=chunk_pages,
+        )
+        hidden = llama.rms_norm(h, params["final_norm"], cfg.rms_norm_eps)  # [M, Tm, D]
+        rows = jnp.concatenate([hidden[m][a["logits_indices"]] for m, a in enumerate(parts)])
+        hidden = hidden.reshape(-1, hidden.shape[-1])  # [M * Tm, D]
+    else:
+        parts = [layout.unpack(packed)]
+        a = parts[0]
+        md = AttentionMetadata(
+            **{k: a[k] for k in METADATA_FIELDS}, query_tile_size=tile, kv_chunk_pages=chunk_pages
+        )
+        hidden, kv_cache = llama.forward(
+            params,
+            kv_cache,
+            a["input_ids"],
+            a["positions"],
+            md,
+            cfg=cfg,
+            attention_backend=backend,
+        )  # [T, D]
+        rows = hidden[a["logits_indices"]]  # [S, D]
+    logits = llama.compute_logits(params, rows)  # [S, V]
+
+    def cat(name):
+        return jnp.concatenate([a[name] for a in parts])
+
     f32 = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.float32)
     sm = SamplingMetadata(
-        temperature=f32(a["temperature"]),
-        top_p=f32(a["top_p"]),
-        top_k=a["top_k"],
-        min_p=f32(a["min_p"]),
-        seed=a["seed"],
-        token_index=a["token_index"],
-        repetition_penalty=f32(a["repetition_penalty"]),
-        presence_penalty=f32(a["presence_penalty"]),
-        frequency_penalty=f32(a["frequency_penalty"]),
-        use_bias=a["use_bias"] != 0,
-        slot=a["slot"],
-        banned=a["banned"],
-        counts=a["counts"] != 0,
+        temperature=f32(cat("temperature")),
+        top_p=f32(cat("top_p")),
+        top_k=cat("top_k"),
+        min_p=f32(cat("min_p")),
+        seed=cat("seed"),
+        token_index=cat("token_index"),
+        repetition_penalty=f32(cat("repetition_penalty")),
+        presence_penalty=f32(cat("presence_penalty")),
+        frequency_penalty=f32(cat("frequency_penalty")),
+        use_bias=cat("use_bias") != 0,
+        slot=cat("slot"),
+        banned=cat("banned"),
+        counts=cat("counts") != 0,
     )
-    sampled = sample(
-        logits, sm, sampling_state, max_logprobs=max_logprobs, want_top=a["want_top"] != 0
-    )
+    want_top = jnp.any(jnp.stack([a["want_top"] for a in parts]) != 0)
+    want_prompt = jnp.any(jnp.stack([a["want_prompt"] for a in parts]) != 0)
+    sampled = sample(logits, sm, sampling_state, max_logprobs=max_logprobs, want_top=want_top)
     sampling_state = count_sampled(sampling_state, sm, sampled.token_ids)
     T, k = hidden.shape[0], max_logprobs
 
@@ -109,7 +137,7 @@ def step(
         return prompt_logprobs(
             functools.partial(llama.compute_logits, params),
             hidden,
-            a["prompt_targets"],
+            cat("prompt_targets"),
             max_logprobs=k,
             chunk=_largest_divisor(T, PROMPT_LOGPROBS_CHUNK),
         )
@@ -122,7 +150,7 @@ def step(
             jnp.zeros((T, k), jnp.float32),
         )
 
-    plp, prank, pids, plps = jax.lax.cond(a["want_prompt"] != 0, with_prompt, without)
+    plp, prank, pids, plps = jax.lax.cond(want_prompt, with_prompt, without)
     return StepOutput(sampled, plp, prank, pids, plps), kv_cache, sampling_state
 
 

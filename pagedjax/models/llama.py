@@ -284,11 +284,30 @@ def forward(
     Returns:
         hidden states after the final norm [T, D] in the params dtype, and the updated cache.
     """
+    h = params["embed_tokens"][input_ids]  # [T, D]
+    h, kv_cache = decoder_layers(
+        params["layers"], kv_cache, h, positions, md, cfg=cfg, attention_backend=attention_backend
+    )
+    return rms_norm(h, params["final_norm"], cfg.rms_norm_eps), kv_cache
+
+
+def decoder_layers(
+    layers: dict[str, Any],
+    kv_cache: KVCache,
+    h: jax.Array,
+    positions: jax.Array,
+    md: AttentionMetadata,
+    *,
+    cfg: LlamaArchConfig,
+    attention_backend: str = "xla",
+) -> tuple[jax.Array, KVCache]:
+    """The decoder layers whose weights `layers` holds (a leading axis of any length: all L
+    layers, or one pipeline stage's), over hidden states h [T, D]; layer i of `layers` reads
+    and writes layer i of `kv_cache` ([layers, num_blocks, block_size, K, H] each)."""
     N, K, H = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     inv_freq = jnp.asarray(rope_inv_freq(cfg))
     scale = 1.0 / math.sqrt(H)
-    T = input_ids.shape[0]
-    h = params["embed_tokens"][input_ids]  # [T, D]
+    T = h.shape[0]
     fp8_cache = is_quantized_cache(kv_cache[0].dtype)
 
     def layer(carry, xs):
@@ -327,9 +346,10 @@ def forward(
         h = h + linear(mlp, w["down_proj"])
         return (h, (k_cache, v_cache)), None
 
-    layer_ids = jnp.arange(cfg.num_hidden_layers, dtype=jnp.int32)
-    (h, kv_cache), _ = jax.lax.scan(layer, (h, kv_cache), (params["layers"], layer_ids))
-    return rms_norm(h, params["final_norm"], cfg.rms_norm_eps), kv_cache
+    num_layers = jax.tree.leaves(layers["input_norm"])[0].shape[0]
+    layer_ids = jnp.arange(num_layers, dtype=jnp.int32)
+    (h, kv_cache), _ = jax.lax.scan(layer, (h, kv_cache), (layers, layer_ids))
+    return h, kv_cache
 
 
 def compute_logits(params: dict[str, Any], hidden: jax.Array) -> jax.Array:
