@@ -75,7 +75,7 @@ CASES = [
     comp("unknown-model", {"model": "gpt-9", "prompt": "x"}, 404, "model"),
     chat("unknown-model-chat", {"model": "gpt-9", "messages": MSG}, 404, "model"),
     comp("too-long-prompt", {"prompt": "x" * 200}, param="prompt"),
-    chat("too-long-chat", {"messages": user("x" * 200)}, param="prompt"),
+    chat("too-long-chat", {"messages": user("x" * 200)}, param="messages"),
     comp("empty-prompt", {"prompt": ""}, param="prompt"),
     comp("empty-prompt-list", {"prompt": []}, param="prompt"),
     comp("empty-token-list", {"prompt": [[]]}, param="prompt"),

@@ -144,7 +144,13 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     return out
 
 
-PromptInput = str | list[str] | TokenIds | list[TokenIds]
+MAX_PROMPTS = 2048  # OpenAI's limit on prompts per completions request
+PromptInput = (
+    str
+    | Annotated[list[str], Field(max_length=MAX_PROMPTS)]
+    | TokenIds
+    | Annotated[list[TokenIds], Field(max_length=MAX_PROMPTS)]
+)
 
 
 class CompletionRequest(SamplingRequest):

@@ -134,13 +134,13 @@ class OpenAIServing:
                 )
             ids = ids[-k:]
         if not ids:
-            raise bad_request(f"the {what} must not be empty (it has 0 tokens)", "prompt")
+            raise bad_request(f"the {what} must not be empty (it has 0 tokens)", what)
         if len(ids) >= m:
             raise bad_request(
                 f"This model's maximum context length is {m} tokens. However, your request "
                 f"has {len(ids)} input tokens, which leaves no room for output. Please reduce "
-                f"the length of the input.",
-                "prompt",
+                f"the length of the {what}.",
+                what,
             )
         if max_tokens is not None and len(ids) + max_tokens > m:
             raise bad_request(
