@@ -185,18 +185,58 @@ def test_chat_without_max_tokens_runs_to_max_model_len(server, client, llm):
     assert res.choices[0].message.content == ref.outputs[0].text
 
 
-def test_logprobs_as_far_as_the_engine_goes(server, client):
-    # logprobs=0 is accepted; the engine does not fill CompletionOutput.logprobs yet, so the
-    # answer has none. Top-k logprobs are refused with a 400 until the sampler has them.
-    res = client.completions.create(model="tiny", prompt="a", logprobs=0, **GREEDY)
-    plain = client.completions.create(model="tiny", prompt="a", **GREEDY)
-    assert res.choices[0].text == plain.choices[0].text
-    with pytest.raises(openai.BadRequestError, match="not supported yet"):
-        client.completions.create(model="tiny", prompt="a", logprobs=2, **GREEDY)
-    with pytest.raises(openai.BadRequestError, match="not supported yet"):
-        client.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": "a"}], logprobs=True, top_logprobs=3
+def _top(step: dict, k: int) -> dict[str, float]:
+    """An engine logprob dict's k best entries as OpenAI's {token: logprob}."""
+    best = sorted(step.values(), key=lambda lp: lp.rank)[:k]
+    return {lp.decoded_token: lp.logprob for lp in best}
+
+
+def test_completion_logprobs_equal_the_engine(server, client, llm):
+    ref = _offline(llm, [PROMPTS[0]], logprobs=2, **GREEDY)[0].outputs[0]
+    for stream in (False, True):
+        res = client.completions.create(
+            model="tiny", prompt=PROMPTS[0], logprobs=2, stream=stream, **GREEDY
         )
+        chunks = [c.choices[0] for c in res if c.choices] if stream else [res.choices[0]]
+        tokens = sum((c.logprobs.tokens for c in chunks if c.logprobs), [])
+        lps = sum((c.logprobs.token_logprobs for c in chunks if c.logprobs), [])
+        tops = sum((c.logprobs.top_logprobs for c in chunks if c.logprobs), [])
+        offsets = sum((c.logprobs.text_offset for c in chunks if c.logprobs), [])
+        steps = [step[t] for step, t in zip(ref.logprobs, ref.token_ids, strict=True)]
+        assert tokens == [lp.decoded_token for lp in steps]
+        assert lps == pytest.approx([lp.logprob for lp in steps], abs=1e-4)
+        for got, step, t in zip(tops, ref.logprobs, ref.token_ids, strict=True):
+            want = {**_top(step, 2), step[t].decoded_token: step[t].logprob}
+            assert got == pytest.approx(want, abs=1e-4)
+        assert offsets == [sum(len(x) for x in tokens[:i]) for i in range(len(tokens))]
+
+
+def test_echo_with_logprobs_includes_the_prompt(server, client, llm):
+    ref = _offline(llm, [[40, 41, 42]], logprobs=1, prompt_logprobs=1, **GREEDY)[0]
+    res = client.completions.create(
+        model="tiny", prompt=[40, 41, 42], echo=True, logprobs=1, **GREEDY
+    )
+    lp = res.choices[0].logprobs
+    assert len(lp.tokens) == 3 + 12
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    want = [ref.prompt_logprobs[i][t].logprob for i, t in enumerate([40, 41, 42]) if i]
+    assert lp.token_logprobs[1:3] == pytest.approx(want, abs=1e-4)
+
+
+def test_chat_logprobs_equal_the_engine(server, client, llm):
+    messages = [{"role": "user", "content": "Hi"}]
+    params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=3)
+    ref = llm.chat(messages, params, use_tqdm=False)[0].outputs[0]
+    res = client.chat.completions.create(
+        model="tiny", messages=messages, temperature=0, max_tokens=6, logprobs=True, top_logprobs=3
+    )
+    content = res.choices[0].logprobs.content
+    for c, step, t in zip(content, ref.logprobs, ref.token_ids, strict=True):
+        assert c.token == step[t].decoded_token
+        assert c.logprob == pytest.approx(step[t].logprob, abs=1e-4)
+        assert c.bytes == list(c.token.encode())
+        got = {x.token: x.logprob for x in c.top_logprobs}
+        assert got == pytest.approx(_top(step, 3), abs=1e-4)
 
 
 def test_models_health_version_tokenize(server, client, llm):

@@ -92,7 +92,9 @@ CASES = [
     chat("json-format", {"messages": MSG, "response_format": {"type": "json_object"}}),
     chat("tool-calls", {"messages": MSG, "tools": [{"type": "function"}]}),
     chat("top-logprobs-alone", {"messages": MSG, "top_logprobs": 2}),
-    comp("unsupported-penalty", {"prompt": "x", "presence_penalty": 0.5}),
+    comp("penalty-range", {"prompt": "x", "presence_penalty": 2.5}, param="presence_penalty"),
+    comp("logprobs-over-max", {"prompt": "x", "logprobs": 21}),
+    comp("logit-bias-out-of-vocab", {"prompt": "x", "logit_bias": {"100000": 1}}),
     comp("empty-stop", {"prompt": "x", "stop": [""]}),
     comp("min-over-max-tokens", {"prompt": "x", "max_tokens": 2, "min_tokens": 5}),
     comp("truncate-zero", {"prompt": "x", "truncate_prompt_tokens": 0}),
@@ -194,8 +196,9 @@ def test_malformed_requests_do_not_disturb_a_stream_in_flight(server, llm):
 # ------------------------------------------------------------------------------ fuzz
 
 FUZZED = ["POST /v1/completions", "POST /v1/chat/completions", "POST /tokenize", "POST /detokenize"]
-# Fields whose non-default values the engine refuses today: dropping them lets fuzzed
-# requests reach generation; max_tokens and n are kept small so that the run stays short.
+# Fields whose random values the engine mostly refuses (token ids outside the vocabulary,
+# logprobs above max_logprobs): dropping them lets fuzzed requests reach generation;
+# max_tokens and n are kept small so that the run stays short.
 _REFUSED = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "logit_bias")
 _REFUSED += ("allowed_token_ids", "bad_words", "prompt_logprobs", "logprobs", "top_logprobs")
 

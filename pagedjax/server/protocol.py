@@ -22,7 +22,6 @@ from pydantic import BaseModel, ConfigDict, Field
 from pagedjax.sampling_params import RequestOutputKind, SamplingParams
 
 MAX_N = 128  # OpenAI's limit on choices per request
-MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 _INT64 = (-(2**63), 2**63 - 1)
 _INT32_MAX = 2**31 - 1
 
@@ -161,11 +160,11 @@ class CompletionRequest(SamplingRequest):
     )
     best_of: int | None = Field(None, ge=1, le=MAX_N)
     echo: bool = False
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = Field(None, ge=0, le=_INT64[1], description="<= max_logprobs")
     max_tokens: int | None = Field(16, ge=1, le=_INT64[1])
     suffix: str | None = None
     # vLLM extras
-    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: int | None = Field(None, ge=0, le=_INT64[1])
     add_special_tokens: bool = True
     return_tokens_as_token_ids: bool = False
 
@@ -207,7 +206,7 @@ class ChatCompletionRequest(SamplingRequest):
 
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = Field(None, ge=0, le=_INT64[1], description="<= max_logprobs")
     max_tokens: int | None = Field(None, ge=1, le=_INT64[1], description="Deprecated name.")
     max_completion_tokens: int | None = Field(None, ge=1, le=_INT64[1])
     response_format: ResponseFormat | None = None
