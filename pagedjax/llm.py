@@ -12,8 +12,8 @@ from tqdm.auto import tqdm
 from pagedjax.config import EngineArgs
 from pagedjax.engine.engine import LLMEngine
 from pagedjax.inputs import PromptType
-from pagedjax.outputs import RequestOutput
-from pagedjax.sampling_params import RequestOutputKind, SamplingParams
+from pagedjax.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
+from pagedjax.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -116,6 +116,84 @@ class LLM:
                 ids = ids["input_ids"]
             prompts.append({"prompt_token_ids": list(ids)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: BeamSearchParams,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """Beam search, as vLLM's `LLM.beam_search`: at each step every beam is one request
+        for a single token with the top 2 x beam_width logprobs; the best beam_width
+        extensions (by cumulative logprob) survive; beams ending in EOS are set aside. The
+        beams of a prompt share their common blocks through the prefix cache, so a step
+        computes only each beam's last, partly filled block.
+
+        Returns:
+            One BeamSearchOutput per prompt, its sequences sorted by
+            cumulative logprob / (length ** length_penalty), best first.
+
+        Raises:
+            ValueError: a bad prompt, or 2 x beam_width above max_logprobs.
+        """
+        engine = self.llm_engine
+        k = 2 * params.beam_width
+        if k > engine.config.model_config.max_logprobs:
+            raise ValueError(
+                f"2 x beam_width ({k}) must be <= max_logprobs "
+                f"({engine.config.model_config.max_logprobs})"
+            )
+        eos = engine.eos_token_id
+        tok = engine.tokenizer
+        prompt_ids = [engine.prompt_token_ids(p) for p in _as_prompt_list(prompts)]
+        step_params = SamplingParams(
+            max_tokens=1,
+            logprobs=k,
+            temperature=params.temperature,
+            ignore_eos=True,
+            detokenize=False,
+        )
+
+        def score(seq: BeamSearchSequence) -> float:
+            n = len(seq.tokens) - (1 if seq.finish_reason == "stop" else 0)
+            return seq.cum_logprob / (n**params.length_penalty)
+
+        live = [[BeamSearchSequence(list(ids), [])] for ids in prompt_ids]
+        done: list[list[BeamSearchSequence]] = [[] for _ in prompt_ids]
+        for _ in tqdm(range(params.max_tokens), desc="Beam search", disable=not use_tqdm):
+            flat = [(i, b) for i, beams in enumerate(live) for b in beams]
+            if not flat:
+                break
+            outs = self.generate(
+                [{"prompt_token_ids": b.tokens} for _, b in flat], step_params, use_tqdm=False
+            )
+            candidates: list[list[BeamSearchSequence]] = [[] for _ in prompt_ids]
+            for (i, beam), out in zip(flat, outs, strict=True):
+                for token, lp in out.outputs[0].logprobs[0].items():
+                    new = BeamSearchSequence(
+                        beam.tokens + [token],
+                        beam.logprobs + [lp.logprob],
+                        beam.cum_logprob + lp.logprob,
+                    )
+                    if token == eos and not params.ignore_eos:
+                        new.finish_reason = "stop"
+                        done[i].append(new)
+                    else:
+                        candidates[i].append(new)
+            live = [
+                sorted(c, key=lambda b: b.cum_logprob, reverse=True)[: params.beam_width]
+                for c in candidates
+            ]
+        results = []
+        for i, ids in enumerate(prompt_ids):
+            for b in live[i]:
+                b.finish_reason = "length"
+            best = sorted(done[i] + live[i], key=score, reverse=True)[: params.beam_width]
+            for b in best:
+                gen = b.tokens[len(ids) :]
+                b.text = tok.decode(gen, skip_special_tokens=True) if tok is not None else None
+            results.append(BeamSearchOutput(best))
+        return results
 
     def _run(self, prompts, params_list, priority, use_tqdm) -> list[RequestOutput]:
         engine = self.llm_engine

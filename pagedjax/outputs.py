@@ -74,3 +74,22 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     num_cached_tokens: int | None = None
     metrics: RequestMetrics | None = None
+
+
+@dataclasses.dataclass
+class BeamSearchSequence:
+    """One beam: all its tokens (prompt included), the logprobs of its generated tokens, its
+    cumulative logprob, its generated text and why it ended ("stop" at EOS, else "length")."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    cum_logprob: float = 0.0
+    text: str | None = None
+    finish_reason: str | None = None
+
+
+@dataclasses.dataclass
+class BeamSearchOutput:
+    """The best `beam_width` sequences of a prompt, best first."""
+
+    sequences: list[BeamSearchSequence]

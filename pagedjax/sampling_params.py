@@ -143,3 +143,33 @@ class SamplingParams:
 
     def clone(self) -> SamplingParams:
         return copy.deepcopy(self)
+
+
+@dataclasses.dataclass
+class BeamSearchParams:
+    """Parameters of `LLM.beam_search` (vLLM's names and defaults).
+
+    Attributes:
+        beam_width: beams kept at every step (>= 1).
+        max_tokens: tokens generated at most (>= 1).
+        ignore_eos: keep extending beams past EOS.
+        temperature: applied before taking each beam's candidates (0: the raw logprobs).
+        length_penalty: final score = cumulative logprob / (sequence length ** length_penalty),
+            the sequence length counting the prompt (as vLLM).
+        include_stop_str_in_output: kept for vLLM compatibility (beam search has no stop strings).
+    """
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.beam_width, int) or self.beam_width < 1:
+            raise ValueError(f"beam_width must be an integer >= 1, got {self.beam_width!r}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")

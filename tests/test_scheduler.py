@@ -12,7 +12,7 @@ import pytest
 from pagedjax.config import SchedulerConfig
 from pagedjax.engine.kv_cache_manager import KVCacheManager, hash_block
 from pagedjax.engine.request import Request, RequestStatus
-from pagedjax.engine.scheduler import Scheduler
+from pagedjax.engine.scheduler import SampledToken, Scheduler
 from pagedjax.sampling_params import SamplingParams
 
 EOS = 2
@@ -45,7 +45,7 @@ def fake_sample(so, sched):
     for rid, n in so.num_scheduled_tokens.items():
         r = sched.requests[rid]
         if r.num_computed_tokens + n == r.num_tokens:
-            out[rid] = (100 + r.num_tokens, 0.0)
+            out[rid] = SampledToken(100 + r.num_tokens, 0.0)
     return out
 
 
@@ -252,12 +252,15 @@ def test_stop_conditions():
     for r in (eos, stop_tok, min_tok):
         s.add_request(r)
     so = s.schedule()
-    s.update_from_output(so, {"eos": (EOS, 0.0), "st": (7, 0.0), "mt": (EOS, 0.0)})
+    s.update_from_output(
+        so,
+        {"eos": SampledToken(EOS, 0.0), "st": SampledToken(7, 0.0), "mt": SampledToken(EOS, 0.0)},
+    )
     assert eos.status == RequestStatus.FINISHED_STOPPED and eos.stop_reason is None
     assert stop_tok.status == RequestStatus.FINISHED_STOPPED and stop_tok.stop_reason == 7
     assert min_tok.status == RequestStatus.RUNNING  # EOS before min_tokens is ignored
     so = s.schedule()
-    s.update_from_output(so, {"mt": (EOS, 0.0)})
+    s.update_from_output(so, {"mt": SampledToken(EOS, 0.0)})
     assert min_tok.status == RequestStatus.FINISHED_STOPPED
 
 

@@ -13,7 +13,6 @@ draws with seed + i.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import random
 import time
@@ -22,48 +21,19 @@ from collections.abc import Iterable
 import jax
 
 from pagedjax.config import EngineArgs, EngineConfig
-from pagedjax.engine.detokenizer import IncrementalDetokenizer
 from pagedjax.engine.kv_cache_manager import KVCacheManager
 from pagedjax.engine.metrics import StatLogger
+from pagedjax.engine.output_processor import OutputProcessor
 from pagedjax.engine.request import Request, RequestStatus
 from pagedjax.engine.runner import ModelRunner
 from pagedjax.engine.scheduler import Scheduler
 from pagedjax.inputs import PromptType, parse_prompt
 from pagedjax.models import loader
-from pagedjax.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from pagedjax.sampling_params import RequestOutputKind, SamplingParams
+from pagedjax.ops.sampling import MAX_BANNED
+from pagedjax.outputs import RequestOutput
+from pagedjax.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-# Fields whose non-default values the sampler cannot honour yet.
-_UNSUPPORTED_SAMPLING = {
-    "presence_penalty": 0.0,
-    "frequency_penalty": 0.0,
-    "repetition_penalty": 1.0,
-    "min_p": 0.0,
-    "logit_bias": None,
-    "allowed_token_ids": None,
-    "bad_words": None,
-    "prompt_logprobs": None,
-}
-
-
-@dataclasses.dataclass
-class _Child:
-    request: Request
-    detokenizer: IncrementalDetokenizer
-    index: int
-    sent_tokens: int = 0  # output tokens already reported (output_kind DELTA)
-
-
-@dataclasses.dataclass
-class _Parent:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    children: list[_Child]
-    metrics: RequestMetrics
 
 
 class LLMEngine:
@@ -117,8 +87,7 @@ class LLMEngine:
         self.compile_seconds = self.runner.warmup(use_tqdm=use_tqdm)
         self.eos_token_id = self._eos_token_id()
         self._rng = random.Random(mc.seed)
-        self._parents: dict[str, _Parent] = {}
-        self._child_to_parent: dict[str, str] = {}
+        self.output_processor = OutputProcessor(self.tokenizer)
         self.stat_logger = StatLogger(enabled=config.log_stats)
 
     @classmethod
@@ -136,14 +105,24 @@ class LLMEngine:
 
     # ----------------------------------------------------------------- requests
 
-    def _validate(self, prompt: PromptType, params: SamplingParams):
-        text, ids, salt = parse_prompt(prompt)
+    def prompt_token_ids(self, prompt: PromptType) -> list[int]:
+        """The token ids of a prompt (tokenized if given as text).
+
+        Raises:
+            ValueError: a malformed or empty prompt, or text without a tokenizer.
+        """
+        text, ids, _ = parse_prompt(prompt)
         if ids is None:
             if self.tokenizer is None:
                 raise ValueError("prompts must be token ids when skip_tokenizer_init is set")
             if text == "":
                 raise ValueError("prompt must not be empty")
             ids = self.tokenizer(text).input_ids
+        return ids
+
+    def _validate(self, prompt: PromptType, params: SamplingParams):
+        text, _, salt = parse_prompt(prompt)
+        ids = self.prompt_token_ids(prompt)
         mc = self.config.model_config
         if params.truncate_prompt_tokens is not None:
             k = (
@@ -162,12 +141,47 @@ class LLMEngine:
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is out of the vocabulary [0, {vocab})")
-        for field, default in _UNSUPPORTED_SAMPLING.items():
-            if getattr(params, field) != default:
-                raise ValueError(f"{field} is not supported yet (only {default!r})")
-        if params.logprobs:
-            raise ValueError("logprobs > 0 is not supported yet (0 returns the sampled token's)")
+        self._validate_params(params)
         return text, ids, salt
+
+    def _validate_params(self, params: SamplingParams) -> None:
+        """Checks what SamplingParams cannot check alone (vocabulary, max_logprobs, ...)."""
+        mc = self.config.model_config
+        vocab = mc.arch.vocab_size
+        for field in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, field)
+            if k is not None and k > mc.max_logprobs:
+                raise ValueError(f"{field} must be <= max_logprobs ({mc.max_logprobs}), got {k}")
+        for field, ids in (
+            ("logit_bias", list(params.logit_bias or {})),
+            ("allowed_token_ids", params.allowed_token_ids or []),
+            ("stop_token_ids", params.stop_token_ids),
+        ):
+            out = [t for t in ids if not 0 <= t < vocab]
+            if out:
+                raise ValueError(
+                    f"{field} has token id {out[0]} outside the vocabulary [0, {vocab})"
+                )
+        if params.min_tokens and len(params.stop_token_ids) + 1 > MAX_BANNED:
+            raise ValueError(
+                f"with min_tokens, stop_token_ids may hold at most "
+                f"{MAX_BANNED - 1} ids, got {len(params.stop_token_ids)}"
+            )
+        if (params.stop or params.bad_words) and self.tokenizer is None:
+            field = "stop" if params.stop else "bad_words"
+            raise ValueError(f"{field} needs a tokenizer (skip_tokenizer_init is set)")
+
+    def _bad_words_token_ids(self, params: SamplingParams) -> list[list[int]] | None:
+        """Token sequences of each bad word, with and without a leading space (as vLLM)."""
+        if not params.bad_words:
+            return None
+        seqs: list[list[int]] = []
+        for word in params.bad_words:
+            for prefix in ("", " "):
+                ids = self.tokenizer(prefix + word.lstrip(), add_special_tokens=False).input_ids
+                if ids and ids not in seqs:
+                    seqs.append(ids)
+        return seqs
 
     def add_request(
         self,
@@ -192,14 +206,15 @@ class LLMEngine:
                 fit the KV cache. Nothing is queued then, and other requests are unaffected.
         """
         params = params if params is not None else SamplingParams()
-        if request_id in self._parents:
+        if request_id in self.output_processor.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids, salt = self._validate(prompt, params)
         params = params.clone()
         room = self.config.model_config.max_model_len - len(ids)
         params.max_tokens = max(1, min(params.max_tokens or room, room)) if room > 0 else 1
         arrival = time.time() if arrival_time is None else arrival_time
-        children: list[_Child] = []
+        bad_words = self._bad_words_token_ids(params)
+        requests: list[Request] = []
         for i in range(params.n):
             child_id = request_id if params.n == 1 else f"{i}_{request_id}"
             seed = params.seed + i if params.seed is not None else self._rng.getrandbits(63)
@@ -213,23 +228,20 @@ class LLMEngine:
                 priority=priority,
                 cache_salt=salt,
             )
-            children.append(_Child(req, IncrementalDetokenizer(self.tokenizer, ids, params), i))
+            req.bad_words_token_ids = bad_words
+            requests.append(req)
         added: list[Request] = []
         try:
-            for c in children:
+            for r in requests:
                 # Samples after the first share its prompt blocks once it has computed them.
-                self.scheduler.add_request(c.request, fork_of=added[0] if added else None)
-                added.append(c.request)
+                self.scheduler.add_request(r, fork_of=added[0] if added else None)
+                added.append(r)
         except ValueError:
             self.scheduler.finish_requests(
                 [r.request_id for r in added], RequestStatus.FINISHED_ABORTED
             )
             raise
-        self._parents[request_id] = _Parent(
-            request_id, text, ids, params, children, RequestMetrics(arrival_time=arrival)
-        )
-        for c in children:
-            self._child_to_parent[c.request.request_id] = request_id
+        self.output_processor.add(request_id, text, ids, params, requests, arrival)
         self.stat_logger.on_request_added(len(ids))
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
@@ -237,19 +249,17 @@ class LLMEngine:
         if isinstance(request_ids, str):
             request_ids = [request_ids]
         for rid in request_ids:
-            parent = self._parents.pop(rid, None)
-            if parent is None:
-                continue
-            child_ids = [c.request.request_id for c in parent.children]
-            self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
-            for cid in child_ids:
-                self._child_to_parent.pop(cid, None)
+            parent = self.output_processor.remove(rid)
+            if parent is not None:
+                self.scheduler.finish_requests(
+                    [c.request.request_id for c in parent.children], RequestStatus.FINISHED_ABORTED
+                )
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._parents)
+        return bool(self.output_processor.parents)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self._parents)
+        return len(self.output_processor.parents)
 
     # ----------------------------------------------------------------- the step
 
@@ -257,74 +267,20 @@ class LLMEngine:
         """Schedules and runs one step; returns the outputs it produced (see output_kind)."""
         t0 = time.perf_counter()
         so = self.scheduler.schedule()
-        sampled = self.runner.execute(so) if so.total_num_scheduled_tokens else {}
-        progressed = self.scheduler.update_from_output(so, sampled)
-        now = time.time()
-        touched: dict[str, _Parent] = {}
-        for req in progressed:
-            parent_id = self._child_to_parent.get(req.request_id)
-            if parent_id is None:
-                continue
-            parent = self._parents[parent_id]
-            child = next(c for c in parent.children if c.request is req)
-            new_tokens = req.output_token_ids[len(child.detokenizer.token_ids) :]
-            stop = child.detokenizer.update(new_tokens)
-            if stop is not None and not req.is_finished:
-                self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
-                req.stop_reason = stop
-            elif req.is_finished:
-                child.detokenizer.flush()
-            if parent.metrics.first_token_time is None:
-                parent.metrics.first_token_time = now
-            touched[parent_id] = parent
-        outputs = []
-        for parent in touched.values():
-            finished = all(c.request.is_finished for c in parent.children)
-            if finished:
-                parent.metrics.finished_time = now
-                del self._parents[parent.request_id]
-                for c in parent.children:
-                    self._child_to_parent.pop(c.request.request_id, None)
-            if finished or parent.params.output_kind != RequestOutputKind.FINAL_ONLY:
-                outputs.append(self._make_output(parent, finished))
+        result = self.runner.execute(so)
+        progressed = self.scheduler.update_from_output(so, result.sampled)
+        touched, stops = self.output_processor.update(progressed, result)
+        for req, stop in stops:
+            self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
+            req.stop_reason = stop
+        outputs = self.output_processor.build(touched)
         self.stat_logger.on_step(
             so.total_num_scheduled_tokens,
-            len(sampled),
+            len(result.sampled),
             time.perf_counter() - t0,
             self.scheduler.stats(),
         )
         return outputs
-
-    def _make_output(self, parent: _Parent, finished: bool) -> RequestOutput:
-        delta = parent.params.output_kind == RequestOutputKind.DELTA
-        outs = []
-        for c in parent.children:
-            r = c.request
-            done = r.is_finished
-            token_ids = list(r.output_token_ids)
-            if delta:
-                token_ids = token_ids[c.sent_tokens :]
-                c.sent_tokens = r.num_output_tokens
-            outs.append(
-                CompletionOutput(
-                    index=c.index,
-                    text=c.detokenizer.get_text(done, delta),
-                    token_ids=token_ids,
-                    cumulative_logprob=float(sum(r.output_logprobs)),
-                    finish_reason=r.status.finish_reason if done else None,
-                    stop_reason=r.stop_reason,
-                )
-            )
-        first = parent.children[0].request
-        return RequestOutput(
-            request_id=parent.request_id,
-            prompt=parent.prompt,
-            prompt_token_ids=parent.prompt_token_ids,
-            outputs=outs,
-            finished=finished,
-            num_cached_tokens=max(first.num_cached_tokens, 0),
-            metrics=parent.metrics,
-        )
 
 
 def _setup_compilation_cache(path: str) -> None:

@@ -18,6 +18,27 @@ import math
 import numpy as np
 
 MIN_TOKEN_BUCKET = 16
+MAX_BANNED = 16  # must equal ops.sampling.MAX_BANNED (this module imports no jax)
+# Per-row sampling fields, in packed order; the float ones travel as float32 bits.
+SAMPLING_ROW_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "token_index",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "use_bias",
+    "slot",
+    "counts",
+)
+FLOAT_FIELDS = frozenset(
+    {"temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"}
+)
+# Values of padding rows: greedy, nothing applied, the scratch slot (set by the builder).
+_ROW_DEFAULTS = {"top_p": 1.0, "repetition_penalty": 1.0}
 
 
 def token_buckets(max_num_batched_tokens: int, min_bucket: int = MIN_TOKEN_BUCKET) -> list[int]:
@@ -49,6 +70,7 @@ class PackedLayout:
             ("input_ids", (T,)),
             ("positions", (T,)),
             ("slot_mapping", (T,)),
+            ("prompt_targets", (T,)),
             ("seq_lens", (S,)),
             ("query_start_loc", (S + 1,)),
             ("last_token_index", (S,)),
@@ -59,11 +81,10 @@ class PackedLayout:
             ("tile_q_len", (NT,)),
             ("tile_kv_len", (NT,)),
             ("num_tiles", ()),
-            ("temperature", (S,)),
-            ("top_p", (S,)),
-            ("top_k", (S,)),
-            ("seed", (S,)),
-            ("token_index", (S,)),
+            ("want_top", ()),
+            ("want_prompt", ()),
+            *((name, (S,)) for name in SAMPLING_ROW_FIELDS),
+            ("banned", (S, MAX_BANNED)),
         ]
 
     @property
@@ -100,7 +121,11 @@ class SeqInput:
     token_ids: [n] int32 the tokens scheduled this step (positions start .. start + n - 1).
     start: number of the sequence's tokens already in the KV cache (num_computed_tokens).
     block_ids: [>= ceil((start + n) / block_size)] int32 the sequence's block table.
-    temperature, top_p, top_k, seed, token_index: the sampling row (see ops.sampling).
+    temperature ... counts: the sampling row (see ops.sampling.SamplingMetadata); `counts`
+        says whether the row's sample is real (the step reaches the sequence's last token).
+    banned: token ids masked this step (at most MAX_BANNED).
+    prompt_targets: [n] int32 or None; for prompt logprobs, the prompt token each scheduled
+        position predicts (-1 where none).
     """
 
     token_ids: np.ndarray
@@ -109,8 +134,18 @@ class SeqInput:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     seed: int = 0
     token_index: int = 0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    use_bias: bool = False
+    slot: int = 0
+    counts: bool = True
+    banned: tuple[int, ...] = ()
+    want_top: bool = False
+    prompt_targets: np.ndarray | None = None
 
 
 class BatchBuilder:
@@ -125,8 +160,10 @@ class BatchBuilder:
         block_size: int,
         query_tile_size: int = 32,
         kv_chunk_pages: int = 8,
+        scratch_slot: int = 0,
     ):
         self.block_size = block_size
+        self.scratch_slot = scratch_slot
         self.max_num_seqs = max_num_seqs
         self.query_tile_size = query_tile_size
         self.kv_chunk_pages = kv_chunk_pages
@@ -200,15 +237,35 @@ class BatchBuilder:
             v["tile_q_len"][: len(tiles)] = arr[:, 2]
             v["tile_kv_len"][: len(tiles)] = arr[:, 3]
         v["num_tiles"][...] = len(tiles)
-        v["temperature"][:n_seqs] = np.asarray([s.temperature for s in seqs], np.float32).view(
-            np.int32
-        )
-        v["temperature"][n_seqs:] = 0  # bits of 0.0: padding rows are greedy
-        v["top_p"][:] = np.float32(1.0).view(np.int32)
-        v["top_p"][:n_seqs] = np.asarray([s.top_p for s in seqs], np.float32).view(np.int32)
-        v["top_k"][:n_seqs] = [s.top_k for s in seqs]
-        v["seed"][:n_seqs] = np.asarray([s.seed & 0xFFFFFFFF for s in seqs], np.uint32).view(
-            np.int32
-        )
-        v["token_index"][:n_seqs] = [s.token_index for s in seqs]
+        for name in SAMPLING_ROW_FIELDS:
+            col = v[name]
+            if name in FLOAT_FIELDS:
+                col[:n_seqs] = np.asarray([getattr(s, name) for s in seqs], np.float32).view(
+                    np.int32
+                )
+                col[n_seqs:] = np.float32(_ROW_DEFAULTS.get(name, 0.0)).view(np.int32)
+            elif name == "seed":
+                col[:n_seqs] = np.asarray([s.seed & 0xFFFFFFFF for s in seqs], np.uint32).view(
+                    np.int32
+                )
+            else:
+                col[:n_seqs] = [int(getattr(s, name)) for s in seqs]
+        v["slot"][n_seqs:] = self.scratch_slot
+        v["counts"][n_seqs:] = 0
+        banned = v["banned"]
+        banned.fill(-1)
+        for i, s in enumerate(seqs):
+            if len(s.banned) > MAX_BANNED:
+                raise ValueError(f"more than {MAX_BANNED} banned tokens in one step")
+            banned[i, : len(s.banned)] = s.banned
+        v["want_top"][...] = any(s.want_top for s in seqs)
+        targets = v["prompt_targets"]
+        targets.fill(-1)
+        want_prompt = False
+        for i, s in enumerate(seqs):
+            if s.prompt_targets is not None:
+                q0 = int(qsl[i])
+                targets[q0 : q0 + lens[i]] = s.prompt_targets
+                want_prompt = True
+        v["want_prompt"][...] = want_prompt
         return layout, buf

@@ -194,10 +194,11 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
         """Leading full blocks of the request already cached, and the tokens they hold.
 
-        At most `num_tokens - 1` tokens are reused, so at least one token is computed.
+        At most `num_tokens - 1` tokens are reused, so at least one token is computed. A
+        request that wants prompt logprobs reuses nothing.
         """
-        if not self.enable_prefix_caching:
-            return [], 0
+        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
+            return [], 0  # prompt logprobs need the logits of every prompt position
         self._update_block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[int] = []

@@ -1,14 +1,10 @@
-"""The model runner: owns the params and the KV cache, turns `SchedulerOutput`s into steps.
+"""The model runner: owns the params, the KV cache and the sampling state; runs the steps.
 
-It keeps a small state per request in the batch (its token ids and block table, mirrored
-from the scheduler's outputs), builds each step's padded inputs with `BatchBuilder`, and
-calls one ahead-of-time compiled executable per token bucket:
-
-    step(params, kv_cache, packed) -> (token_ids [S], logprobs [S], kv_cache)
-
-`packed` is the step's single int32 host buffer (see `engine.input_batch`); the KV cache is
-donated so that it is updated in place. Every bucket is compiled at warm-up; a step whose
-shape has no executable raises instead of compiling (after warm-up a compile is a bug), and
+It keeps a small state per request in the batch (token ids, block table, sampling row and a
+slot of the device `SamplingState`, mirrored from the scheduler's outputs), builds each step's
+padded inputs with `BatchBuilder`, and calls one ahead-of-time compiled executable per token
+bucket (`engine.step_fn.step`). Every bucket is compiled at warm-up; a step whose shape has no
+executable raises instead of compiling (after warm-up a compile is a bug), and
 `compile_count()` counts every XLA compilation of the process, so tests can assert none happen.
 
 The host buffer of a bucket is reused by the next step of that bucket; this is safe because
@@ -18,7 +14,6 @@ The host buffer of a bucket is reused by the next step of that bucket; this is s
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import math
 import time
@@ -30,21 +25,27 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from pagedjax.config import CPU_DEFAULT_KV_CACHE_BYTES, EngineConfig
-from pagedjax.engine.input_batch import BatchBuilder, PackedLayout, SeqInput
-from pagedjax.engine.scheduler import SchedulerOutput
-from pagedjax.models import llama
-from pagedjax.ops.attention import AttentionMetadata
+from pagedjax.engine import step_fn
+from pagedjax.engine.input_batch import BatchBuilder, SeqInput
+from pagedjax.engine.scheduler import SampledToken, SchedulerOutput
 from pagedjax.ops.kv_cache import (
     KVCache,
     init_kv_cache,
     kv_cache_bytes_per_block,
     kv_cache_shape,
 )
-from pagedjax.ops.sampling import SamplingMetadata, sample
+from pagedjax.ops.sampling import (
+    MAX_BANNED,
+    init_sampling_state,
+    init_state_rows,
+    set_bias_rows,
+)
 
 logger = logging.getLogger(__name__)
 
 BLOCK_OP_BATCH = 16  # block copies / swaps run in padded groups of this many blocks
+STATE_INIT_ROWS = 8  # sampling-state rows filled per call
+STATE_INIT_TOKENS = 256  # tokens per row and call when filling sampling-state rows
 QUERY_TILE_SIZE = 32  # query tokens per prefill tile of the XLA attention path
 KV_CHUNK_TOKENS = 32  # KV tokens per inner step of the XLA attention path (fastest on CPU)
 
@@ -66,78 +67,40 @@ def compile_count() -> int:
 
 
 @dataclasses.dataclass
+class PromptLogprobs:
+    """Prompt logprobs computed in a step: for each prompt position in `positions`, the
+    logprob and rank of that prompt token given the tokens before it, and the top-k."""
+
+    positions: list[int]
+    logprobs: list[float]
+    ranks: list[int]
+    top: list[list[tuple[int, float]]]
+
+
+@dataclasses.dataclass
+class StepResult:
+    sampled: dict[str, SampledToken]
+    prompt_logprobs: dict[str, PromptLogprobs]
+
+
+@dataclasses.dataclass
 class _RequestState:
     token_ids: np.ndarray  # [max_model_len + 1] int32, the first num_tokens valid
     num_tokens: int
     num_prompt_tokens: int
     block_ids: list[int]
     num_computed_tokens: int
-    temperature: float
-    top_p: float
-    top_k: int
-    seed: int
-
-
-def _step(
-    params,
-    kv_cache,
-    packed,
-    *,
-    layout: PackedLayout,
-    cfg,
-    backend: str,
-    tile: int,
-    chunk_pages: int,
-):
-    a = layout.unpack(packed)
-    md = AttentionMetadata(
-        slot_mapping=a["slot_mapping"],
-        positions=a["positions"],
-        seq_lens=a["seq_lens"],
-        query_start_loc=a["query_start_loc"],
-        block_tables=a["block_tables"],
-        last_token_index=a["last_token_index"],
-        tile_seq=a["tile_seq"],
-        tile_q_start=a["tile_q_start"],
-        tile_q_len=a["tile_q_len"],
-        tile_kv_len=a["tile_kv_len"],
-        num_tiles=a["num_tiles"],
-        query_tile_size=tile,
-        kv_chunk_pages=chunk_pages,
-    )
-    hidden, kv_cache = llama.forward(
-        params, kv_cache, a["input_ids"], a["positions"], md, cfg=cfg, attention_backend=backend
-    )  # [T, D]
-    logits = llama.compute_logits(params, hidden[a["logits_indices"]])  # [S, V]
-    f32 = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.float32)
-    sm = SamplingMetadata(
-        temperature=f32(a["temperature"]),
-        top_p=f32(a["top_p"]),
-        top_k=a["top_k"],
-        seed=a["seed"],
-        token_index=a["token_index"],
-    )
-    token_ids, logprobs = sample(logits, sm)
-    return token_ids, logprobs, kv_cache
-
-
-def _copy_blocks(kv_cache, src, dst):
-    """kv[:, dst] = kv[:, src] for K and V. src, dst: [BLOCK_OP_BATCH] int32."""
-    return tuple(c.at[:, dst].set(c[:, src]) for c in kv_cache)
-
-
-def _gather_blocks(kv_cache, ids):
-    """[2, L, BLOCK_OP_BATCH, block_size, K, H]: the blocks `ids` of K and V."""
-    return jnp.stack([c[:, ids] for c in kv_cache])
-
-
-def _scatter_blocks(kv_cache, ids, data):
-    """kv[:, ids] = data (as returned by `_gather_blocks`)."""
-    return tuple(c.at[:, ids].set(d) for c, d in zip(kv_cache, data, strict=True))
+    slot: int
+    row: dict[str, Any]  # the SeqInput sampling fields that do not change
+    stop_ids: tuple[int, ...]  # banned while num_output < min_tokens
+    min_tokens: int
+    bad_words: list[list[int]]  # multi-token bad words
+    num_logprobs: int | None
+    num_prompt_logprobs: int | None
 
 
 class ModelRunner:
-    """Params, KV cache and compiled steps of one model replica.
+    """Params, KV cache, sampling state and compiled steps of one model replica.
 
     Args:
         config: the engine config.
@@ -151,8 +114,10 @@ class ModelRunner:
         self.params = params
         self.block_size = cc.block_size
         self.max_model_len = mc.max_model_len
+        self.max_logprobs = mc.max_logprobs
         self.dtype = jnp.dtype(mc.dtype)
         chunk_pages = max(1, KV_CHUNK_TOKENS // cc.block_size)
+        self.num_slots = sc.max_num_seqs + 1  # the last one is the scratch slot of padding
         self.builder = BatchBuilder(
             max_num_batched_tokens=sc.max_num_batched_tokens,
             max_num_seqs=sc.max_num_seqs,
@@ -160,25 +125,29 @@ class ModelRunner:
             block_size=cc.block_size,
             query_tile_size=QUERY_TILE_SIZE,
             kv_chunk_pages=chunk_pages,
+            scratch_slot=self.num_slots - 1,
         )
         self._jit_step = jax.jit(
-            _step,
-            static_argnames=("layout", "cfg", "backend", "tile", "chunk_pages"),
-            donate_argnames=("kv_cache",),
+            step_fn.step,
+            static_argnames=("layout", "cfg", "backend", "tile", "chunk_pages", "max_logprobs"),
+            donate_argnames=("kv_cache", "sampling_state"),
         )
         self._static = dict(
             cfg=self.arch,
             backend=mc.attention_backend,
             tile=QUERY_TILE_SIZE,
             chunk_pages=chunk_pages,
+            max_logprobs=self.max_logprobs,
         )
         self.num_blocks = 0
         self.kv_cache: KVCache | None = None
+        self.sampling_state = init_sampling_state(self.num_slots, self.arch.vocab_size)
         self._executables: dict[int, Any] = {}
-        self._block_ops: dict[str, Any] = {}
-        self.host_cache: np.ndarray | None = None  # [2, L, num_host_blocks, bs, K, H]
+        self._ops: dict[str, Any] = {}
+        self.host_cache: np.ndarray | None = None  # [2, L, num_host_blocks + 1, bs, K, H]
         self.num_host_blocks = 0
         self.requests: dict[str, _RequestState] = {}
+        self._free_slots = list(range(self.num_slots - 2, -1, -1))
 
     # ----------------------------------------------------------------- memory
 
@@ -208,31 +177,33 @@ class ModelRunner:
             need = sc.max_num_seqs * math.ceil(self.max_model_len / self.block_size) + 1
             return max(2, min(need, CPU_DEFAULT_KV_CACHE_BYTES // per_block))
         budget = int(stats["bytes_limit"] * cc.gpu_memory_utilization)
-        weights = sum(x.nbytes for x in jax.tree.leaves(self.params))
+        fixed = sum(x.nbytes for x in jax.tree.leaves((self.params, self.sampling_state)))
         activations = self._activation_bytes()
-        free = budget - weights - activations
+        free = budget - fixed - activations
         if free < 2 * per_block:
             raise ValueError(
                 f"no room for the KV cache: {budget} bytes allowed "
-                f"(gpu_memory_utilization={cc.gpu_memory_utilization}), weights take {weights}, "
-                f"the largest step's activations {activations}"
+                f"(gpu_memory_utilization={cc.gpu_memory_utilization}), weights and sampling "
+                f"state take {fixed}, the largest step's activations {activations}"
             )
         return free // per_block
 
+    def _lower_step(self, T: int, kv_spec):
+        layout = self.builder.layout(T)
+        packed = jax.ShapeDtypeStruct((layout.size,), jnp.int32)
+        return self._jit_step.lower(
+            self.params, kv_spec, self.sampling_state, packed, layout=layout, **self._static
+        )
+
     def _activation_bytes(self) -> int:
         """Temporary bytes of the largest bucket's step, from XLA's memory analysis."""
-        layout = self.builder.layout(self.builder.buckets[-1])
         a = self.arch
         shape = kv_cache_shape(
             a.num_hidden_layers, 2, self.block_size, a.num_key_value_heads, a.head_dim
         )
         kv_spec = (jax.ShapeDtypeStruct(shape, self.dtype),) * 2
-        packed = jax.ShapeDtypeStruct((layout.size,), jnp.int32)
-        compiled = self._jit_step.lower(
-            self.params, kv_spec, packed, layout=layout, **self._static
-        ).compile()
-        analysis = compiled.memory_analysis()
-        return int(getattr(analysis, "temp_size_in_bytes", 0) or 0)
+        compiled = self._lower_step(self.builder.buckets[-1], kv_spec).compile()
+        return int(getattr(compiled.memory_analysis(), "temp_size_in_bytes", 0) or 0)
 
     def allocate_kv_cache(self, num_blocks: int, num_host_blocks: int = 0) -> None:
         """Allocates the device KV cache, and the host pool for swapping (allocated lazily by
@@ -251,33 +222,51 @@ class ModelRunner:
     # ----------------------------------------------------------------- compilation
 
     def warmup(self, use_tqdm: bool = True) -> float:
-        """Compiles the step for every token bucket. Returns the seconds it took."""
+        """Compiles the step for every token bucket, and the block and sampling-state
+        operations. Returns the seconds it took."""
         assert self.kv_cache is not None, "allocate_kv_cache first"
         t0 = time.perf_counter()
         buckets = self.builder.buckets
         kv_spec = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in self.kv_cache)
         for T in tqdm(buckets, desc="Compiling step buckets", disable=not use_tqdm, leave=False):
-            layout = self.builder.layout(T)
-            packed = jax.ShapeDtypeStruct((layout.size,), jnp.int32)
-            self._executables[T] = self._jit_step.lower(
-                self.params, kv_spec, packed, layout=layout, **self._static
-            ).compile()
-        ids = jax.ShapeDtypeStruct((BLOCK_OP_BATCH,), jnp.int32)
-        self._block_ops["copy"] = (
-            jax.jit(_copy_blocks, donate_argnums=0).lower(kv_spec, ids, ids).compile()
+            self._executables[T] = self._lower_step(T, kv_spec).compile()
+        i32 = jnp.int32
+        ids = jax.ShapeDtypeStruct((BLOCK_OP_BATCH,), i32)
+        self._ops["copy"] = (
+            jax.jit(step_fn.copy_blocks, donate_argnums=0).lower(kv_spec, ids, ids).compile()
         )
         if self.num_host_blocks:
-            gather = jax.jit(_gather_blocks).lower(kv_spec, ids)
+            gather = jax.jit(step_fn.gather_blocks).lower(kv_spec, ids)
             data = jax.ShapeDtypeStruct(gather.out_info.shape, gather.out_info.dtype)
-            self._block_ops["gather"] = gather.compile()
-            self._block_ops["scatter"] = (
-                jax.jit(_scatter_blocks, donate_argnums=0).lower(kv_spec, ids, data).compile()
+            self._ops["gather"] = gather.compile()
+            self._ops["scatter"] = (
+                jax.jit(step_fn.scatter_blocks, donate_argnums=0)
+                .lower(kv_spec, ids, data)
+                .compile()
             )
+        R, C, V = STATE_INIT_ROWS, STATE_INIT_TOKENS, self.arch.vocab_size
+        rows = jax.ShapeDtypeStruct((R,), i32)
+        self._ops["init_rows"] = (
+            jax.jit(init_state_rows, donate_argnums=0)
+            .lower(
+                self.sampling_state,
+                rows,
+                jax.ShapeDtypeStruct((R,), jnp.bool_),
+                jax.ShapeDtypeStruct((R, C), i32),
+                jax.ShapeDtypeStruct((R, C), i32),
+            )
+            .compile()
+        )
+        self._ops["bias_rows"] = (
+            jax.jit(set_bias_rows, donate_argnums=0)
+            .lower(self.sampling_state, rows, jax.ShapeDtypeStruct((R, V), jnp.float32))
+            .compile()
+        )
         seconds = time.perf_counter() - t0
         logger.info("compiled %d step buckets %s in %.1f s", len(buckets), buckets, seconds)
         return seconds
 
-    # ----------------------------------------------------------------- steps
+    # ----------------------------------------------------------------- requests
 
     def _apply_block_ops(self, so: SchedulerOutput) -> None:
         """Swap-outs, then swap-ins, then copies: each reads the blocks before the step."""
@@ -286,7 +275,7 @@ class ModelRunner:
             pairs = so.blocks_to_swap_out[i : i + B]
             ids = np.zeros(B, np.int32)
             ids[: len(pairs)] = [d for d, _ in pairs]
-            data = np.asarray(self._block_ops["gather"](self.kv_cache, ids))
+            data = np.asarray(self._ops["gather"](self.kv_cache, ids))
             self.host_cache[:, :, [h for _, h in pairs]] = data[:, :, : len(pairs)]
         for i in range(0, len(so.blocks_to_swap_in), B):
             pairs = so.blocks_to_swap_in[i : i + B]
@@ -296,78 +285,217 @@ class ModelRunner:
                 self.host_cache.shape[:2] + (B,) + self.host_cache.shape[3:], self.host_cache.dtype
             )
             data[:, :, : len(pairs)] = self.host_cache[:, :, [h for h, _ in pairs]]
-            self.kv_cache = self._block_ops["scatter"](self.kv_cache, ids, data)
+            self.kv_cache = self._ops["scatter"](self.kv_cache, ids, data)
         for i in range(0, len(so.blocks_to_copy), B):
             pairs = so.blocks_to_copy[i : i + B]
             src, dst = np.zeros(B, np.int32), np.zeros(B, np.int32)
             src[: len(pairs)] = [a for a, _ in pairs]
             dst[: len(pairs)] = [b for _, b in pairs]
-            self.kv_cache = self._block_ops["copy"](self.kv_cache, src, dst)
+            self.kv_cache = self._ops["copy"](self.kv_cache, src, dst)
+
+    def _drop(self, req_id: str) -> None:
+        st = self.requests.pop(req_id, None)
+        if st is not None:
+            self._free_slots.append(st.slot)
+
+    def _add(self, new) -> tuple[_RequestState, Any]:
+        req = new.request
+        p = req.sampling_params
+        token_ids = np.zeros(self.max_model_len + 1, np.int32)
+        token_ids[: len(new.token_ids)] = new.token_ids
+        greedy = p.is_greedy
+        bias_row = _bias_row(p, getattr(req, "bad_words_token_ids", None), self.arch.vocab_size)
+        eos = () if p.ignore_eos or req.eos_token_id is None else (req.eos_token_id,)
+        row = dict(
+            temperature=0.0 if greedy else p.temperature,
+            top_p=1.0 if greedy else p.top_p,
+            top_k=0 if greedy else max(p.top_k, 0),
+            min_p=0.0 if greedy else p.min_p,
+            seed=req.seed,
+            repetition_penalty=p.repetition_penalty,
+            presence_penalty=p.presence_penalty,
+            frequency_penalty=p.frequency_penalty,
+            use_bias=bias_row is not None,
+            want_top=bool(p.logprobs),
+        )
+        st = _RequestState(
+            token_ids=token_ids,
+            num_tokens=len(new.token_ids),
+            num_prompt_tokens=new.num_prompt_tokens,
+            block_ids=list(new.block_ids),
+            num_computed_tokens=new.num_computed_tokens,
+            slot=self._free_slots.pop(),
+            row=row,
+            stop_ids=tuple(dict.fromkeys((*eos, *p.stop_token_ids))),
+            min_tokens=p.min_tokens,
+            bad_words=[w for w in getattr(req, "bad_words_token_ids", None) or [] if len(w) > 1],
+            num_logprobs=p.logprobs,
+            num_prompt_logprobs=p.prompt_logprobs,
+        )
+        self.requests[new.req_id] = st
+        penalties = (
+            p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+        )
+        return st, (bias_row, penalties)
 
     def _update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids | so.preempted_req_ids:
-            self.requests.pop(req_id, None)
+            self._drop(req_id)
+        inits, biases = [], []
         for new in so.scheduled_new_reqs:
-            req = new.request
-            p = req.sampling_params
-            token_ids = np.zeros(self.max_model_len + 1, np.int32)
-            token_ids[: len(new.token_ids)] = new.token_ids
-            greedy = p.is_greedy
-            self.requests[new.req_id] = _RequestState(
-                token_ids=token_ids,
-                num_tokens=len(new.token_ids),
-                num_prompt_tokens=new.num_prompt_tokens,
-                block_ids=list(new.block_ids),
-                num_computed_tokens=new.num_computed_tokens,
-                temperature=0.0 if greedy else p.temperature,
-                top_p=1.0 if greedy else p.top_p,
-                top_k=0 if greedy else p.top_k,
-                seed=req.seed,
-            )
+            self._drop(new.req_id)
+            st, (bias_row, penalties) = self._add(new)
+            if penalties:
+                inits.append(st)
+            if bias_row is not None:
+                biases.append((st.slot, bias_row))
         for cached in so.scheduled_cached_reqs:
             st = self.requests[cached.req_id]
             for index, block in cached.replaced_block_ids:
                 st.block_ids[index] = block
             st.block_ids.extend(cached.new_block_ids)
             st.num_computed_tokens = cached.num_computed_tokens
+        if inits:
+            self._init_state_rows(inits)
+        for i in range(0, len(biases), STATE_INIT_ROWS):
+            group = biases[i : i + STATE_INIT_ROWS]
+            slots = np.full(STATE_INIT_ROWS, self.num_slots - 1, np.int32)
+            rows = np.zeros((STATE_INIT_ROWS, self.arch.vocab_size), np.float32)
+            for j, (slot, bias) in enumerate(group):
+                slots[j], rows[j] = slot, bias
+            self.sampling_state = self._ops["bias_rows"](self.sampling_state, slots, rows)
 
-    def execute(self, so: SchedulerOutput) -> dict[str, tuple[int, float]]:
-        """Runs one step. Returns request id -> (sampled token, logprob) for every request
-        whose scheduled tokens reached its last known token."""
+    def _init_state_rows(self, states: list[_RequestState]) -> None:
+        """Fills the penalty rows (prompt mask, output counts) of requests entering the batch."""
+        R, C = STATE_INIT_ROWS, STATE_INIT_TOKENS
+        for i in range(0, len(states), R):
+            group = states[i : i + R]
+            longest = max(st.num_tokens for st in group)
+            for c0 in range(0, longest, C):
+                slots = np.full(R, self.num_slots - 1, np.int32)
+                reset = np.zeros(R, bool)
+                tokens = np.zeros((R, C), np.int32)
+                kinds = np.zeros((R, C), np.int32)
+                for j, st in enumerate(group):
+                    slots[j], reset[j] = st.slot, c0 == 0
+                    n = max(0, min(C, st.num_tokens - c0))
+                    tokens[j, :n] = st.token_ids[c0 : c0 + n]
+                    pos = np.arange(c0, c0 + n)
+                    kinds[j, :n] = np.where(pos < st.num_prompt_tokens, 1, 2)
+                self.sampling_state = self._ops["init_rows"](
+                    self.sampling_state, slots, reset, tokens, kinds
+                )
+
+    # ----------------------------------------------------------------- steps
+
+    def _seq_input(self, st: _RequestState, n: int) -> SeqInput:
+        start = st.num_computed_tokens
+        num_output = st.num_tokens - st.num_prompt_tokens
+        samples = start + n == st.num_tokens
+        banned: list[int] = []
+        if samples:
+            if num_output < st.min_tokens:
+                banned.extend(st.stop_ids)
+            out = st.token_ids[st.num_prompt_tokens : st.num_tokens]
+            for word in st.bad_words:
+                k = len(word) - 1
+                if len(out) >= k and list(out[len(out) - k :]) == word[:-1]:
+                    banned.append(word[-1])
+        targets = None
+        if st.num_prompt_logprobs is not None and start + 1 < st.num_prompt_tokens:
+            pos = np.arange(start, start + n)
+            nxt = pos + 1
+            targets = np.where(
+                nxt < st.num_prompt_tokens, st.token_ids[np.minimum(nxt, st.num_tokens - 1)], -1
+            )
+        return SeqInput(
+            token_ids=st.token_ids[start : start + n],
+            start=start,
+            block_ids=np.asarray(st.block_ids, np.int32),
+            token_index=num_output,
+            slot=st.slot,
+            counts=samples,
+            banned=tuple(dict.fromkeys(banned))[:MAX_BANNED],
+            prompt_targets=targets,
+            **st.row,
+        )
+
+    def execute(self, so: SchedulerOutput) -> StepResult:
+        """Runs one step. Returns the tokens sampled for every request whose scheduled tokens
+        reached its last known token, and the prompt logprobs computed this step."""
         self._update_states(so)
         self._apply_block_ops(so)
         if so.total_num_scheduled_tokens == 0:
-            return {}
-        seqs, ids = [], []
-        for req_id, n in so.num_scheduled_tokens.items():
-            st = self.requests[req_id]
-            start = st.num_computed_tokens
-            seqs.append(
-                SeqInput(
-                    token_ids=st.token_ids[start : start + n],
-                    start=start,
-                    block_ids=np.asarray(st.block_ids, np.int32),
-                    temperature=st.temperature,
-                    top_p=st.top_p,
-                    top_k=st.top_k,
-                    seed=st.seed,
-                    token_index=st.num_tokens - st.num_prompt_tokens,
-                )
-            )
-            ids.append(req_id)
+            return StepResult({}, {})
+        ids = list(so.num_scheduled_tokens)
+        seqs = [self._seq_input(self.requests[r], n) for r, n in so.num_scheduled_tokens.items()]
         layout, packed = self.builder.build(seqs)
         exe = self._executables.get(layout.num_tokens)
         if exe is None:
             raise RuntimeError(f"no compiled step for {layout.num_tokens} tokens; warm up first")
-        token_ids, logprobs, self.kv_cache = exe(self.params, self.kv_cache, packed)
-        token_ids, logprobs = np.asarray(token_ids), np.asarray(logprobs)
-        out = {}
-        for i, (req_id, n) in enumerate(zip(ids, so.num_scheduled_tokens.values(), strict=True)):
+        out, self.kv_cache, self.sampling_state = exe(
+            self.params, self.kv_cache, self.sampling_state, packed
+        )
+        s = out.sampled
+        token_ids, logprobs = np.asarray(s.token_ids), np.asarray(s.logprobs)
+        want_top = any(x.want_top for x in seqs)
+        if want_top:
+            ranks, top_ids, top_lps = (np.asarray(x) for x in (s.ranks, s.top_ids, s.top_logprobs))
+        result = StepResult({}, {})
+        for i, (req_id, seq) in enumerate(zip(ids, seqs, strict=True)):
             st = self.requests[req_id]
+            n = len(seq.token_ids)
+            if seq.prompt_targets is not None:
+                result.prompt_logprobs[req_id] = self._prompt_logprobs(
+                    out, layout, packed, i, seq, st
+                )
             st.num_computed_tokens += n
-            if st.num_computed_tokens == st.num_tokens:
-                tok = int(token_ids[i])
-                st.token_ids[st.num_tokens] = tok
-                st.num_tokens += 1
-                out[req_id] = (tok, float(logprobs[i]))
-        return out
+            if not seq.counts:
+                continue
+            tok = int(token_ids[i])
+            st.token_ids[st.num_tokens] = tok
+            st.num_tokens += 1
+            sampled = SampledToken(tok, float(logprobs[i]))
+            if st.num_logprobs is not None and want_top:
+                k = st.num_logprobs
+                sampled.rank = int(ranks[i])
+                sampled.top = [
+                    (int(a), float(b)) for a, b in zip(top_ids[i, :k], top_lps[i, :k], strict=True)
+                ]
+            result.sampled[req_id] = sampled
+        return result
+
+    def _prompt_logprobs(self, out, layout, packed, i, seq, st) -> PromptLogprobs:
+        q0 = int(layout.views(packed)["query_start_loc"][i])
+        valid = np.nonzero(seq.prompt_targets >= 0)[0]
+        rows = q0 + valid
+        k = st.num_prompt_logprobs
+        lp = np.asarray(out.prompt_logprob)[rows]
+        rk = np.asarray(out.prompt_rank)[rows]
+        ids = np.asarray(out.prompt_top_ids)[rows, :k]
+        lps = np.asarray(out.prompt_top_logprobs)[rows, :k]
+        return PromptLogprobs(
+            positions=[seq.start + int(j) + 1 for j in valid],
+            logprobs=[float(x) for x in lp],
+            ranks=[int(x) for x in rk],
+            top=[
+                [(int(a), float(b)) for a, b in zip(r_ids, r_lps, strict=True)]
+                for r_ids, r_lps in zip(ids, lps, strict=True)
+            ],
+        )
+
+
+def _bias_row(params, bad_words: list[list[int]] | None, vocab: int) -> np.ndarray | None:
+    """[V] float32 additive bias of a request, or None if it has none: logit_bias,
+    -inf outside allowed_token_ids, -inf for single-token bad words."""
+    single = [w[0] for w in bad_words or [] if len(w) == 1]
+    if not params.logit_bias and params.allowed_token_ids is None and not single:
+        return None
+    row = np.zeros(vocab, np.float32)
+    if params.allowed_token_ids is not None:
+        row[:] = -np.inf
+        row[list(params.allowed_token_ids)] = 0.0
+    for tok, b in (params.logit_bias or {}).items():
+        row[tok] += b
+    row[single] = -np.inf
+    return row

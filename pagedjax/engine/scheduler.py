@@ -40,6 +40,17 @@ logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
+class SampledToken:
+    """A token drawn for a request: its id, logprob and rank (1 = most likely) under the raw
+    distribution, and the top `logprobs` alternatives [(id, logprob)] if the request asked."""
+
+    token_id: int
+    logprob: float
+    rank: int | None = None
+    top: list[tuple[int, float]] | None = None
+
+
+@dataclasses.dataclass
 class NewRequestData:
     """A request entering the batch (first time, after a preemption, or forked).
 
@@ -380,13 +391,13 @@ class Scheduler:
         return out
 
     def update_from_output(
-        self, out: SchedulerOutput, sampled: dict[str, tuple[int, float]]
+        self, out: SchedulerOutput, sampled: dict[str, SampledToken]
     ) -> list[Request]:
         """Advances the scheduled requests and appends their sampled tokens.
 
         Args:
             out: this step's `SchedulerOutput`.
-            sampled: request id -> (token id, logprob), for requests whose scheduled tokens
+            sampled: request id -> its `SampledToken`, for requests whose scheduled tokens
                 reached their end (a request mid-prefill samples nothing).
 
         Returns:
@@ -401,8 +412,8 @@ class Scheduler:
             req.num_computed_tokens += n
             if req_id not in sampled:
                 continue
-            token, logprob = sampled[req_id]
-            req.append_output_token(token, logprob)
+            token = sampled[req_id].token_id
+            req.append_output_token(token, sampled[req_id].logprob)
             if req_id in self.pending_forks:
                 self._fork_siblings(req)
             status = self._check_stop(req, token)

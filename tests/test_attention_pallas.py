@@ -1,0 +1,270 @@
+"""The Pallas ragged paged-attention kernel against the jnp reference: a grid of context
+lengths, query lengths, GQA ratios and block sizes in one ragged batch per shape (padding
+tokens, padding sequence rows and empty sequences included); 16-bit queries; fp8 pages with
+scales; its lowering to the Triton GPU backend (checked without a GPU); the engine's greedy
+output with `attention_backend="pallas"`.
+
+On CPU the kernel runs in Pallas' interpreter (`interpret=True`); on a GPU the same tests run
+the compiled kernel."""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pagedjax import SamplingParams
+from pagedjax.engine.input_batch import BatchBuilder, SeqInput
+from pagedjax.ops.attention import AttentionMetadata, ragged_paged_attention
+from pagedjax.ops.paged_attention_pallas import paged_attention_pallas, unsupported_reason
+from pagedjax.ops.paged_attention_ref import paged_attention_reference
+
+FIELDS = (
+    "slot_mapping",
+    "positions",
+    "seq_lens",
+    "query_start_loc",
+    "block_tables",
+    "last_token_index",
+    "tile_seq",
+    "tile_q_start",
+    "tile_q_len",
+    "tile_kv_len",
+    "num_tiles",
+)
+LAYER = 1
+
+
+def _case(spec, block_size, kv_heads, group, head_dim, *, q_dtype="float32", seed=0):
+    """A random cache and ragged batch for sequences given as (cached_len, query_len); a
+    query_len of 0 is an empty sequence. Returns q, K, V (float32 pages), md, total tokens."""
+    rng = np.random.default_rng(seed)
+    need = [-(-(c + q) // block_size) for c, q in spec]
+    num_blocks = 2 + sum(need)
+    perm = rng.permutation(np.arange(1, num_blocks))  # scattered block ids; 0 stays null
+    seqs, used = [], 0
+    for (cached, q), nb in zip(spec, need, strict=True):
+        seqs.append(
+            SeqInput(np.zeros(q, np.int32), cached, perm[used : used + nb].astype(np.int32))
+        )
+        used += nb
+    builder = BatchBuilder(
+        max_num_batched_tokens=1024,
+        max_num_seqs=32,
+        max_model_len=1024,
+        block_size=block_size,
+    )
+    layout, buf = builder.build(seqs)
+    a = layout.unpack(buf.copy())
+    md = AttentionMetadata(**{f: jnp.asarray(a[f]) for f in FIELDS})
+    shape = (2, num_blocks, block_size, kv_heads, head_dim)
+    k = jnp.asarray(rng.standard_normal(shape, np.float32))
+    v = jnp.asarray(rng.standard_normal(shape, np.float32))
+    T = layout.num_tokens
+    q = jnp.asarray(rng.standard_normal((T, kv_heads * group, head_dim), np.float32), q_dtype)
+    return q, k, v, md, int(a["query_start_loc"][-1])
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale",))
+def _reference(q, k, v, md, k_scale, v_scale, sm_scale):
+    return paged_attention_reference(
+        q, k, v, LAYER, md, sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale
+    )
+
+
+def _grid(bs: int) -> list[tuple[int, int]]:
+    """(cached_len, query_len): decode at context 1, bs - 1, bs, bs + 1 and long; prefill
+    without a cached prefix (query bs - 1, bs, bs + 1) and with one; an empty sequence."""
+    return [
+        (0, 1),
+        (bs - 2, 1),
+        (bs - 1, 1),
+        (bs, 1),
+        (5 * bs + 3, 1),
+        (0, bs - 1),
+        (0, bs),
+        (0, bs + 1),
+        (7, 0),  # empty: no query token this step
+        (bs, 3),
+        (bs + 1, 2 * bs + 3),
+        (3 * bs - 1, 40),
+    ]
+
+
+def _check(spec, bs, kv_heads, group, head_dim=16, *, atol=2e-5, rtol=1e-5, **kw):
+    q, k, v, md, total = _case(spec, bs, kv_heads, group, head_dim, seed=bs * 10 + group)
+    scale = head_dim**-0.5
+    ref = np.asarray(_reference(q, k, v, md, None, None, scale))
+    assert np.isfinite(ref).all()
+    got = np.asarray(paged_attention_pallas(q, k, v, LAYER, md, sm_scale=scale, **kw))
+    assert got.shape == q.shape and got.dtype == q.dtype
+    assert total < q.shape[0] and md.seq_lens.shape[0] > len(spec), "needs padding rows"
+    np.testing.assert_allclose(got, ref, atol=atol, rtol=rtol)
+    assert not got[total:].any(), "padding tokens must come out zero"
+
+
+@pytest.mark.parametrize(
+    "block_size,kv_heads,group", [(16, 2, 1), (32, 1, 3), (16, 2, 4), (32, 1, 8)]
+)
+def test_pallas_matches_reference(block_size, kv_heads, group):
+    """The whole grid in one ragged batch, each GQA ratio once and each block size twice (the
+    slow test takes every combination); 32 KV tokens per inner step, so long contexts take
+    several steps of the online softmax."""
+    _check(_grid(block_size), block_size, kv_heads, group, kv_step_tokens=32)
+
+
+# Every block size x GQA ratio, with the head dim and the tile sizes (block_m, kv_step_tokens)
+# taking turns: 16 cases, about two minutes interpreted on 2 cores.
+WIDE = [
+    (bs, kv_heads, group, (64, 128)[i % 2], [(None, None), (64, 128), (16, 256)][i % 3])
+    for i, (bs, (kv_heads, group)) in enumerate(
+        (bs, kg) for bs in (16, 32, 64, 128) for kg in ((2, 1), (1, 3), (2, 4), (1, 8))
+    )
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("block_size,kv_heads,group,head_dim,tiles", WIDE)
+def test_pallas_matches_reference_wide(block_size, kv_heads, group, head_dim, tiles):
+    spec = _grid(block_size) + [(300, 1), (250, 70), (0, 2 * block_size + 1)]
+    _check(
+        spec,
+        block_size,
+        kv_heads,
+        group,
+        head_dim,
+        atol=5e-5,
+        block_m=tiles[0],
+        kv_step_tokens=tiles[1],
+    )
+
+
+@pytest.mark.parametrize("q_dtype,block_size", [("bfloat16", 16), ("float16", 4)])
+def test_16_bit_queries_and_pages(q_dtype, block_size):
+    """16-bit q and pages against the reference on the same rounded inputs (float32 math):
+    the kernel rounds the softmax weights to the 16-bit type before P @ V. The float16 case
+    also takes the engine's smallest block size, 4."""
+    spec = [(0, 1), (40, 1), (0, 19), (33, 12)]
+    q, k, v, md, total = _case(spec, block_size, 2, 3, 64, q_dtype=q_dtype, seed=3)
+    k, v = k.astype(q_dtype), v.astype(q_dtype)
+    ref = np.asarray(_reference(q, k, v, md, None, None, 0.125).astype(jnp.float32))
+    got = jax.jit(
+        lambda q, k, v, md: ragged_paged_attention(
+            q, k, v, LAYER, md, sm_scale=0.125, backend="pallas"
+        )
+    )(q, k, v, md)  # through the entry point
+    assert got.dtype == q.dtype
+    np.testing.assert_allclose(np.asarray(got.astype(jnp.float32)), ref, atol=2e-2, rtol=2e-2)
+    assert not np.asarray(got[total:].astype(jnp.float32)).any()
+
+
+@pytest.mark.parametrize(
+    "q_dtype,kv_dtype,atol",
+    [("float32", "float8_e4m3fn", 2e-5), ("bfloat16", "float8_e5m2", 2e-2)],
+)
+def test_fp8_pages_with_scales(q_dtype, kv_dtype, atol):
+    """A cached fp8 value means value * scale: the kernel equals the reference reading the same
+    fp8 pages with the same scalar scales (traced, as a layer's scales would be)."""
+    spec = [(0, 1), (50, 1), (0, 21), (17, 9)]
+    q, k, v, md, _ = _case(spec, 16, 1, 4, 64, q_dtype=q_dtype, seed=5)
+    k_scale, v_scale = jnp.float32(0.02), jnp.float32(0.5)
+    k8 = (k / k_scale).astype(kv_dtype)  # |k8| < 448, e4m3fn's largest finite value
+    v8 = (v / v_scale).astype(kv_dtype)
+    ref = np.asarray(_reference(q, k8, v8, md, k_scale, v_scale, 0.125).astype(jnp.float32))
+    assert np.isfinite(ref).all()
+    got = paged_attention_pallas(
+        q, k8, v8, LAYER, md, sm_scale=0.125, k_scale=k_scale, v_scale=v_scale
+    )
+    np.testing.assert_allclose(np.asarray(got.astype(jnp.float32)), ref, atol=atol, rtol=atol)
+    # The scales matter: without them the result is far off.
+    plain = np.asarray(_reference(q, k8, v8, md, None, None, 0.125).astype(jnp.float32))
+    assert np.abs(plain - ref).max() > 0.5
+
+
+@pytest.mark.parametrize(
+    "head_dim,block_size,q_dtype,kv_dtype,block_m",
+    [
+        (128, 16, "bfloat16", "bfloat16", None),
+        (64, 128, "float16", "float16", 64),
+        (64, 32, "float32", "float32", None),
+        (128, 16, "bfloat16", "float8_e4m3fn", None),
+        (128, 64, "bfloat16", "float8_e5m2", 64),
+    ],
+)
+def test_kernel_lowers_for_cuda_triton(head_dim, block_size, q_dtype, kv_dtype, block_m):
+    """Cross-platform lowering (no GPU needed): the kernel becomes one Triton custom call."""
+    spec = [(0, 1), (40, 1), (0, 19), (33, 12)]
+    q, k, v, md, _ = _case(spec, block_size, 2, 4, head_dim, q_dtype=q_dtype)
+    k, v = k.astype(kv_dtype), v.astype(kv_dtype)
+
+    def f(q, k, v, md):
+        return paged_attention_pallas(
+            q,
+            k,
+            v,
+            LAYER,
+            md,
+            sm_scale=0.1,
+            k_scale=0.5,
+            v_scale=2.0,
+            interpret=False,
+            block_m=block_m,
+        )
+
+    try:
+        text = jax.jit(f).trace(q, k, v, md).lower(lowering_platforms=("cuda",)).as_text()
+    except Exception as e:  # jaxlib > 0.10.2 compiles Triton at lowering: needs the CUDA plugin
+        if "compilation handler" in str(e).lower() or "compile" in str(e).lower():
+            pytest.skip(f"this jaxlib compiles Triton while lowering, without a GPU plugin: {e}")
+        raise
+    targets = re.findall(r"custom_call @([\w$.]+)", text)
+    assert [t for t in targets if "triton" in t], targets
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        (dict(head_dim=48), "head dim"),
+        (dict(q_dtype="int32"), "queries"),
+        (dict(block_m=8), "block_m"),
+        (dict(block_m=48), "block_m"),
+    ],
+)
+def test_bad_shapes_and_dtypes_are_value_errors(change, match):
+    head_dim = change.get("head_dim", 16)
+    q, k, v, md, _ = _case([(0, 3)], 16, 1, 4, head_dim, q_dtype=change.get("q_dtype", "float32"))
+    with pytest.raises(ValueError, match=match):
+        paged_attention_pallas(q, k, v, LAYER, md, sm_scale=0.1, block_m=change.get("block_m"))
+
+
+def test_unsupported_reason_names_the_constraint():
+    assert unsupported_reason(128, 16) is None and unsupported_reason(64, 4) is None
+    assert "head dim" in unsupported_reason(80, 16)
+    assert "head dim" in unsupported_reason(8, 16)
+    assert "block_size" in unsupported_reason(64, 12)
+
+
+def test_engine_greedy_pallas_equals_reference(make_llm, tiny_llama_dir, prompts8, hf_greedy_cache):
+    """Greedy output through `attention_backend="pallas"` (interpreted on CPU) equals the
+    reference backend's and Hugging Face's; the 17- and 64-token prompts are prefilled in
+    chunks of up to 16 tokens next to decode tokens."""
+    prompts = [prompts8[0], prompts8[3], prompts8[6]]  # 1, 17 and 64 tokens
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    outs = {}
+    for backend in ("pallas", "reference"):
+        llm = make_llm(
+            tiny_llama_dir,
+            attention_backend=backend,
+            max_num_batched_tokens=16,  # one token bucket: one compile per engine
+            max_num_seqs=4,
+            max_model_len=96,
+        )
+        assert llm.llm_engine.config.model_config.attention_backend == backend
+        res = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        outs[backend] = [o.outputs[0].token_ids for o in res]
+    assert outs["pallas"] == outs["reference"]
+    assert outs["pallas"] == [hf_greedy_cache(p, 4) for p in prompts]
