@@ -185,10 +185,13 @@ def test_chat_without_max_tokens_runs_to_max_model_len(server, client, llm):
     assert res.choices[0].message.content == ref.outputs[0].text
 
 
-def _top(step: dict, k: int) -> dict[str, float]:
-    """An engine logprob dict's k best entries as OpenAI's {token: logprob}."""
-    best = sorted(step.values(), key=lambda lp: lp.rank)[:k]
-    return {lp.decoded_token: lp.logprob for lp in best}
+def _top(step: dict, k: int, chosen=None) -> dict[str, float]:
+    """An engine logprob dict's k best entries (then the chosen token's) as OpenAI's
+    {token: logprob}; of tokens that decode alike, the first is kept."""
+    out: dict[str, float] = {}
+    for lp in sorted(step.values(), key=lambda lp: lp.rank)[:k] + [chosen] * (chosen is not None):
+        out.setdefault(lp.decoded_token, lp.logprob)
+    return out
 
 
 def test_completion_logprobs_equal_the_engine(server, client, llm):
@@ -206,7 +209,7 @@ def test_completion_logprobs_equal_the_engine(server, client, llm):
         assert tokens == [lp.decoded_token for lp in steps]
         assert lps == pytest.approx([lp.logprob for lp in steps], abs=1e-4)
         for got, step, t in zip(tops, ref.logprobs, ref.token_ids, strict=True):
-            want = {**_top(step, 2), step[t].decoded_token: step[t].logprob}
+            want = _top(step, 2, step[t])
             assert got == pytest.approx(want, abs=1e-4)
         assert offsets == [sum(len(x) for x in tokens[:i]) for i in range(len(tokens))]
 
@@ -235,8 +238,11 @@ def test_chat_logprobs_equal_the_engine(server, client, llm):
         assert c.token == step[t].decoded_token
         assert c.logprob == pytest.approx(step[t].logprob, abs=1e-4)
         assert c.bytes == list(c.token.encode())
-        got = {x.token: x.logprob for x in c.top_logprobs}
-        assert got == pytest.approx(_top(step, 3), abs=1e-4)
+        best = sorted(step.values(), key=lambda lp: lp.rank)[:3]
+        assert [x.token for x in c.top_logprobs] == [lp.decoded_token for lp in best]
+        assert [x.logprob for x in c.top_logprobs] == pytest.approx(
+            [lp.logprob for lp in best], abs=1e-4
+        )
 
 
 def test_models_health_version_tokenize(server, client, llm):

@@ -201,6 +201,7 @@ FUZZED = ["POST /v1/completions", "POST /v1/chat/completions", "POST /tokenize",
 # max_tokens and n are kept small so that the run stays short.
 _REFUSED = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "logit_bias")
 _REFUSED += ("allowed_token_ids", "bad_words", "prompt_logprobs", "logprobs", "top_logprobs")
+_REFUSED += ("stop_token_ids", "min_tokens", "truncate_prompt_tokens")
 
 
 def _reaching_engine(case):

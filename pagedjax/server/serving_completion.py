@@ -165,7 +165,9 @@ class OpenAIServingCompletion(OpenAIServing):
                 out.top_logprobs.append(None)
                 continue
             out.token_logprobs.append(clamp_logprob(lp.logprob) if lp is not None else None)
-            top = dict(self.top_entries(step, k, as_ids)) if k else {}
+            top: dict[str, float] = {}
+            for t, v in self.top_entries(step, k, as_ids) if k else []:
+                top.setdefault(t, v)  # tokens that decode alike: the likeliest is kept
             if lp is not None:
                 top.setdefault(token, clamp_logprob(lp.logprob))
             out.top_logprobs.append(top)
@@ -186,7 +188,7 @@ class OpenAIServingCompletion(OpenAIServing):
         prompt_tokens = sum(len(ids) for _, ids in prompts)
         completion_tokens = [0] * (len(prompts) * n)
         echo_pending = [request.echo] * len(completion_tokens)
-        sent_chars = [0] * len(completion_tokens)  # text offsets for logprobs
+        sent_chars = [0] * len(completion_tokens)  # where the next logprobs' offsets start
 
         def usage() -> UsageInfo:
             c = sum(completion_tokens)
@@ -223,7 +225,11 @@ class OpenAIServingCompletion(OpenAIServing):
                         finish_reason=o.finish_reason,
                         stop_reason=o.stop_reason,
                     )
-                    sent_chars[idx] += len(text)
+                    lp = choice.logprobs
+                    if lp is not None and lp.tokens:  # offsets run on over token strings
+                        sent_chars[idx] = lp.text_offset[-1] + len(lp.tokens[-1])
+                    else:
+                        sent_chars[idx] += len(text)
                     yield chunk([choice], continuous)
             if include_usage:
                 yield chunk([], True)
