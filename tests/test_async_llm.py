@@ -39,6 +39,7 @@ def _pool_whole(eng: AsyncLLM) -> bool:
     return (
         not eng.engine.has_unfinished_requests()
         and eng.num_unfinished_requests == 0
+        and not eng._loops  # no per-request bookkeeping left behind
         and pool.num_free_blocks == pool.num_usable_blocks
     )
 

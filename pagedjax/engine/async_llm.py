@@ -281,6 +281,7 @@ class AsyncLLM:
     def _handle(self, command: tuple) -> None:
         if command[0] == "abort":
             rid = command[1]
+            self._loops.pop(rid, None)
             if self._live.pop(rid, None) is not None:
                 self.engine.abort_request(rid)
                 self.metrics.record_finished("abort", None, 0, 0)
