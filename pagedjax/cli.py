@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
-    from pagedjax.server.api_server import add_server_args
+    from pagedjax.server.cli_args import add_server_args
 
     add_server_args(p)
     EngineArgs.add_cli_args(p.add_argument_group("engine"))
