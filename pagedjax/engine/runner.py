@@ -40,6 +40,7 @@ from pagedjax.ops.sampling import (
     init_state_rows,
     set_bias_rows,
 )
+from pagedjax.sharding.rules import ShardingPlan
 
 logger = logging.getLogger(__name__)
 
@@ -107,8 +108,9 @@ class ModelRunner:
         params: the model's params pytree (on the device).
     """
 
-    def __init__(self, config: EngineConfig, params: dict[str, Any]):
+    def __init__(self, config: EngineConfig, params: dict[str, Any], plan: ShardingPlan):
         self.config = config
+        self.plan = plan
         mc, cc, sc = config.model_config, config.cache_config, config.scheduler_config
         self.arch = mc.arch
         self.params = params
@@ -141,7 +143,9 @@ class ModelRunner:
         )
         self.num_blocks = 0
         self.kv_cache: KVCache | None = None
-        self.sampling_state = init_sampling_state(self.num_slots, self.arch.vocab_size)
+        self.sampling_state = jax.jit(
+            init_sampling_state, static_argnums=(0, 1), out_shardings=plan.replicated()
+        )(self.num_slots, self.arch.vocab_size)
         self._executables: dict[int, Any] = {}
         self._ops: dict[str, Any] = {}
         self.host_cache: np.ndarray | None = None  # [2, L, num_host_blocks + 1, bs, K, H]
@@ -190,7 +194,7 @@ class ModelRunner:
 
     def _lower_step(self, T: int, kv_spec):
         layout = self.builder.layout(T)
-        packed = jax.ShapeDtypeStruct((layout.size,), jnp.int32)
+        packed = jax.ShapeDtypeStruct((layout.size,), jnp.int32, sharding=self.plan.replicated())
         return self._jit_step.lower(
             self.params, kv_spec, self.sampling_state, packed, layout=layout, **self._static
         )
@@ -201,7 +205,7 @@ class ModelRunner:
         shape = kv_cache_shape(
             a.num_hidden_layers, 2, self.block_size, a.num_key_value_heads, a.head_dim
         )
-        kv_spec = (jax.ShapeDtypeStruct(shape, self.dtype),) * 2
+        kv_spec = (jax.ShapeDtypeStruct(shape, self.dtype, sharding=self.plan.kv_cache()),) * 2
         compiled = self._lower_step(self.builder.buckets[-1], kv_spec).compile()
         return int(getattr(compiled.memory_analysis(), "temp_size_in_bytes", 0) or 0)
 
@@ -213,7 +217,7 @@ class ModelRunner:
         shape = kv_cache_shape(
             a.num_hidden_layers, num_blocks, self.block_size, a.num_key_value_heads, a.head_dim
         )
-        self.kv_cache = init_kv_cache(shape, self.dtype)
+        self.kv_cache = init_kv_cache(shape, self.dtype, self.plan.kv_cache())
         self.num_host_blocks = num_host_blocks
         if num_host_blocks:
             host_shape = (2, a.num_hidden_layers, num_host_blocks + 1, *shape[2:])
@@ -227,41 +231,34 @@ class ModelRunner:
         assert self.kv_cache is not None, "allocate_kv_cache first"
         t0 = time.perf_counter()
         buckets = self.builder.buckets
-        kv_spec = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in self.kv_cache)
+        kv_spec = tuple(
+            jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in self.kv_cache
+        )
         for T in tqdm(buckets, desc="Compiling step buckets", disable=not use_tqdm, leave=False):
             self._executables[T] = self._lower_step(T, kv_spec).compile()
-        i32 = jnp.int32
-        ids = jax.ShapeDtypeStruct((BLOCK_OP_BATCH,), i32)
-        self._ops["copy"] = (
-            jax.jit(step_fn.copy_blocks, donate_argnums=0).lower(kv_spec, ids, ids).compile()
-        )
+        rep = self.plan.replicated()
+
+        def spec(shape, dtype=jnp.int32):
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=rep)
+
+        ids = spec((BLOCK_OP_BATCH,))
+        copy = jax.jit(step_fn.copy_blocks, donate_argnums=0)
+        self._ops["copy"] = copy.lower(kv_spec, ids, ids).compile()
         if self.num_host_blocks:
             gather = jax.jit(step_fn.gather_blocks).lower(kv_spec, ids)
-            data = jax.ShapeDtypeStruct(gather.out_info.shape, gather.out_info.dtype)
+            data = spec(gather.out_info.shape, gather.out_info.dtype)
             self._ops["gather"] = gather.compile()
-            self._ops["scatter"] = (
-                jax.jit(step_fn.scatter_blocks, donate_argnums=0)
-                .lower(kv_spec, ids, data)
-                .compile()
-            )
+            scatter = jax.jit(step_fn.scatter_blocks, donate_argnums=0)
+            self._ops["scatter"] = scatter.lower(kv_spec, ids, data).compile()
         R, C, V = STATE_INIT_ROWS, STATE_INIT_TOKENS, self.arch.vocab_size
-        rows = jax.ShapeDtypeStruct((R,), i32)
-        self._ops["init_rows"] = (
-            jax.jit(init_state_rows, donate_argnums=0)
-            .lower(
-                self.sampling_state,
-                rows,
-                jax.ShapeDtypeStruct((R,), jnp.bool_),
-                jax.ShapeDtypeStruct((R, C), i32),
-                jax.ShapeDtypeStruct((R, C), i32),
-            )
-            .compile()
-        )
-        self._ops["bias_rows"] = (
-            jax.jit(set_bias_rows, donate_argnums=0)
-            .lower(self.sampling_state, rows, jax.ShapeDtypeStruct((R, V), jnp.float32))
-            .compile()
-        )
+        init_rows = jax.jit(init_state_rows, donate_argnums=0)
+        self._ops["init_rows"] = init_rows.lower(
+            self.sampling_state, spec((R,)), spec((R,), jnp.bool_), spec((R, C)), spec((R, C))
+        ).compile()
+        bias_rows = jax.jit(set_bias_rows, donate_argnums=0)
+        self._ops["bias_rows"] = bias_rows.lower(
+            self.sampling_state, spec((R,)), spec((R, V), jnp.float32)
+        ).compile()
         seconds = time.perf_counter() - t0
         logger.info("compiled %d step buckets %s in %.1f s", len(buckets), buckets, seconds)
         return seconds

@@ -317,3 +317,45 @@ def compute_logits(params: dict[str, Any], hidden: jax.Array) -> jax.Array:
     else:
         logits = jnp.einsum("SD,VD->SV", hidden, params["embed_tokens"])
     return logits.astype(jnp.float32)
+
+
+def param_logical_axes(cfg: LlamaArchConfig) -> dict[str, Any]:
+    """The logical axis names of every parameter (same tree as `param_shapes`).
+
+    Names: "layers" (the stacked L axis), "embed" (D), "q_heads" (N*H columns, cut at head
+    boundaries), "kv_heads" (K*H), "mlp" (F), "vocab" (V). `sharding.rules` maps them to
+    mesh axes; this model never names a mesh axis.
+    """
+    layers = {
+        "input_norm": ("layers", "embed"),
+        "q_proj": ("layers", "embed", "q_heads"),
+        "k_proj": ("layers", "embed", "kv_heads"),
+        "v_proj": ("layers", "embed", "kv_heads"),
+        "o_proj": ("layers", "q_heads", "embed"),
+        "post_attn_norm": ("layers", "embed"),
+        "gate_proj": ("layers", "embed", "mlp"),
+        "up_proj": ("layers", "embed", "mlp"),
+        "down_proj": ("layers", "mlp", "embed"),
+    }
+    if cfg.attention_bias:
+        layers.update(
+            q_bias=("layers", "q_heads"),
+            k_bias=("layers", "kv_heads"),
+            v_bias=("layers", "kv_heads"),
+        )
+    axes = {"embed_tokens": ("vocab", "embed"), "layers": layers, "final_norm": ("embed",)}
+    if not cfg.tie_word_embeddings:
+        axes["lm_head"] = ("embed", "vocab")
+    return axes
+
+
+def logical_unit_counts(cfg: LlamaArchConfig) -> dict[str, int]:
+    """How many indivisible units each logical axis has (a mesh axis must divide it)."""
+    return {
+        "layers": cfg.num_hidden_layers,
+        "q_heads": cfg.num_attention_heads,
+        "kv_heads": cfg.num_key_value_heads,
+        "mlp": cfg.intermediate_size,
+        "vocab": cfg.vocab_size,
+        "embed": cfg.hidden_size,
+    }

@@ -1,0 +1,1 @@
+"""Device layouts: the mesh built from ParallelConfig and the sharding rules of every array."""

@@ -1,0 +1,87 @@
+"""Sharding rules, declared once: logical axis names -> mesh axes.
+
+Models name the logical axes of their arrays (`models.llama.param_logical_axes`); this module
+alone maps them onto the mesh of a replica:
+
+    "q_heads", "kv_heads", "mlp", "vocab"  ->  "tensor"   (Megatron-style tensor parallelism:
+        column-parallel q/k/v, gate and up; row-parallel o and down; vocab-parallel embedding
+        and LM head; Shoeybi et al., 2019)
+    "layers"                                ->  "pipeline" (each stage holds its layers)
+    "embed", anything else                  ->  replicated
+
+A dimension whose size the mesh axis does not divide stays replicated on that axis; in
+particular the KV cache is replicated over "tensor" when there are fewer KV heads than the
+tensor-parallel size (or they do not divide evenly). Query heads are split only when the
+number of heads is a multiple of the tensor size, so that no head is cut in two.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from pagedjax.sharding.mesh import PIPELINE, TENSOR
+
+logger = logging.getLogger(__name__)
+
+RULES = {"q_heads": TENSOR, "kv_heads": TENSOR, "mlp": TENSOR, "vocab": TENSOR, "layers": PIPELINE}
+
+# Logical axes of the KV cache arrays [L, num_blocks, block_size, K, H].
+KV_CACHE_AXES = ("layers", None, None, "kv_heads", None)
+
+
+class ShardingPlan:
+    """Shardings of one replica's params, KV cache and replicated arrays.
+
+    Args:
+        mesh: the replica's ("pipeline", "tensor") mesh.
+        unit_sizes: logical axis -> the size of its indivisible unit count (e.g. "q_heads"
+            -> number of query heads); a mesh axis must divide the count to shard the axis.
+    """
+
+    def __init__(self, mesh: Mesh, unit_counts: dict[str, int]):
+        self.mesh = mesh
+        self.unit_counts = unit_counts
+
+    def spec(self, logical: tuple[str | None, ...]) -> PartitionSpec:
+        """The PartitionSpec of an array with these logical axes."""
+        axes = []
+        for name in logical:
+            mesh_axis = RULES.get(name) if name else None
+            if mesh_axis is not None:
+                size = self.mesh.shape[mesh_axis]
+                if size == 1 or self.unit_counts.get(name, 0) % size:
+                    mesh_axis = None
+            axes.append(mesh_axis)
+        while axes and axes[-1] is None:
+            axes.pop()
+        return PartitionSpec(*axes)
+
+    def sharding(self, logical: tuple[str | None, ...]) -> NamedSharding:
+        return NamedSharding(self.mesh, self.spec(logical))
+
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, PartitionSpec())
+
+    def kv_cache(self) -> NamedSharding:
+        return self.sharding(KV_CACHE_AXES)
+
+    def tree(self, logical_tree: Any) -> Any:
+        """A pytree of NamedShardings from a pytree of logical-axis tuples."""
+        import jax
+
+        return jax.tree.map(self.sharding, logical_tree, is_leaf=lambda x: isinstance(x, tuple))
+
+
+def per_device_bytes(tree: Any) -> dict[str, int]:
+    """Bytes each device holds of the arrays of a pytree (device id as a string)."""
+    import jax
+
+    out: dict[str, int] = {}
+    for leaf in jax.tree.leaves(tree):
+        for shard in leaf.addressable_shards:
+            key = str(shard.device.id)
+            out[key] = out.get(key, 0) + shard.data.nbytes
+    return out

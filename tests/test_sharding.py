@@ -1,0 +1,121 @@
+"""Tensor and data parallelism on 8 simulated CPU devices: greedy outputs identical to one
+device, and every parameter's and the KV cache's per-device shard shapes as the rules say."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pagedjax.sharding.mesh import device_grid
+from pagedjax.sharding.rules import ShardingPlan
+
+HERE = Path(__file__).parent
+
+# Tiny model: L=2, D=64, N=4 query heads, K=2 KV heads, H=16, F=128, V=320.
+FULL = {
+    "['embed_tokens']": [320, 64],
+    "['final_norm']": [64],
+    "['lm_head']": [64, 320],
+    "['layers']['input_norm']": [2, 64],
+    "['layers']['post_attn_norm']": [2, 64],
+    "['layers']['q_proj']": [2, 64, 64],
+    "['layers']['k_proj']": [2, 64, 32],
+    "['layers']['v_proj']": [2, 64, 32],
+    "['layers']['o_proj']": [2, 64, 64],
+    "['layers']['gate_proj']": [2, 64, 128],
+    "['layers']['up_proj']": [2, 64, 128],
+    "['layers']['down_proj']": [2, 128, 64],
+}
+
+
+def expected_shards(tp: int) -> dict[str, list[int]]:
+    """Per-device shapes under tensor parallelism, worked out by hand from the rules:
+    columns of q/k/v/gate/up, rows of o/down, and the vocab of embedding and head split tp
+    ways; k/v stay whole when tp does not divide the 2 KV heads."""
+    s = {k: list(v) for k, v in FULL.items()}
+    if tp == 1:
+        return s
+    s["['embed_tokens']"][0] //= tp
+    s["['lm_head']"][1] //= tp
+    s["['layers']['q_proj']"][2] //= tp
+    s["['layers']['o_proj']"][1] //= tp
+    for k in ("gate_proj", "up_proj"):
+        s[f"['layers']['{k}']"][2] //= tp
+    s["['layers']['down_proj']"][1] //= tp
+    if 2 % tp == 0:
+        s["['layers']['k_proj']"][2] //= tp
+        s["['layers']['v_proj']"][2] //= tp
+    return s
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory, compile_cache_dir):
+    folder = tmp_path_factory.mktemp("tiny-sharded")
+    env = dict(os.environ, PYTHONPATH=str(HERE.parent))
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(HERE / "sharding_worker.py"),
+            str(folder),
+            compile_cache_dir,
+            "single,tp2,tp4,dp2,dp2-tp2",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=1500,
+    )
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("REPORT ")), None)
+    assert line is not None, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(line[len("REPORT ") :])
+
+
+@pytest.mark.parametrize("layout", ["tp2", "tp4", "dp2", "dp2-tp2"])
+def test_greedy_output_identical_to_one_device(report, layout):
+    assert report[layout]["tokens"] == report["single"]["tokens"]
+
+
+@pytest.mark.parametrize(
+    "layout,tp,replicas",
+    [("single", 1, 1), ("tp2", 2, 1), ("tp4", 4, 1), ("dp2", 1, 2), ("dp2-tp2", 2, 2)],
+)
+def test_per_device_shard_shapes(report, layout, tp, replicas):
+    reps = report[layout]["replicas"]
+    assert len(reps) == replicas
+    devices = [d for r in reps for d in r["devices"]]
+    assert len(devices) == len(set(devices)) == tp * replicas  # disjoint device slices
+    want = expected_shards(tp)
+    for rep in reps:
+        assert set(rep["params"]) == set(want)
+        for name, shapes in rep["params"].items():
+            assert shapes == [want[name]] * tp, name
+        kv_heads = 2 // tp if 2 % tp == 0 else 2
+        for shapes in rep["kv"].values():
+            assert [s[3] for s in shapes] == [kv_heads] * tp
+            assert all(s[:3] == [2, 40, 16] and s[4] == 16 for s in shapes)
+        assert rep["free_blocks"] == rep["usable_blocks"]
+
+
+def test_rules_replicate_what_does_not_divide():
+    import jax
+
+    mesh_devices = device_grid(jax.devices() * 4, 1, 1, 4)[0]
+    from jax.sharding import Mesh
+
+    plan = ShardingPlan(
+        Mesh(mesh_devices, ("pipeline", "tensor")),
+        {"q_heads": 9, "kv_heads": 3, "mlp": 1536, "vocab": 49152},
+    )
+    assert plan.spec(("layers", "embed", "q_heads")) == jax.sharding.PartitionSpec()
+    assert plan.spec(("layers", "embed", "mlp")) == jax.sharding.PartitionSpec(None, None, "tensor")
+    assert plan.spec(("vocab", "embed")) == jax.sharding.PartitionSpec("tensor")
+
+
+def test_too_few_devices_is_a_clear_error():
+    with pytest.raises(ValueError, match="8 devices are needed, 1 are available"):
+        device_grid(["d0"], 2, 1, 4)
