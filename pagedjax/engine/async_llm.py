@@ -34,8 +34,10 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from pagedjax.config import EngineArgs
+from pagedjax.engine.dp_engine import DataParallelEngine, create_engine
 from pagedjax.engine.engine import LLMEngine
 from pagedjax.engine.prometheus import PrometheusStatLogger
+from pagedjax.engine.scheduler import SchedulerStats
 from pagedjax.inputs import PromptType
 from pagedjax.outputs import CompletionOutput, RequestOutput
 from pagedjax.sampling_params import RequestOutputKind, SamplingParams
@@ -148,21 +150,28 @@ class AsyncLLM:
     """An `LLMEngine` run by a background thread, for many concurrent asyncio clients.
 
     Args:
-        engine: the engine to drive (the AsyncLLM owns it from now on).
+        engine: the engine to drive, an LLMEngine or data-parallel replicas of it (the
+            AsyncLLM owns it from now on).
         stat_logger: where metrics go (default: a `PrometheusStatLogger` for the model).
 
     Build it with `AsyncLLM.from_engine_args(args)`; call `shutdown()` when done.
     """
 
-    def __init__(self, engine: LLMEngine, stat_logger: PrometheusStatLogger | None = None):
+    def __init__(
+        self,
+        engine: LLMEngine | DataParallelEngine,
+        stat_logger: PrometheusStatLogger | None = None,
+    ):
         self.engine = engine
         self.model_config = engine.config.model_config
-        pool = engine.kv_cache_manager.pool
+        self._replicas = list(getattr(engine, "replicas", [engine]))
         self.metrics = stat_logger or PrometheusStatLogger(
             self.model_config.served_model_name,
             cache_info={
                 "block_size": engine.config.cache_config.block_size,
-                "num_gpu_blocks": pool.num_usable_blocks,
+                "num_gpu_blocks": sum(
+                    r.kv_cache_manager.pool.num_usable_blocks for r in self._replicas
+                ),
                 "enable_prefix_caching": engine.config.cache_config.enable_prefix_caching,
             },
         )
@@ -177,7 +186,14 @@ class AsyncLLM:
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, use_tqdm: bool = False) -> AsyncLLM:
-        return cls(LLMEngine.from_engine_args(args, use_tqdm=use_tqdm))
+        """An engine (data-parallel replicas when data_parallel_size > 1) behind a thread.
+
+        Raises:
+            ValueError: an invalid engine argument, or the "ray" executor (not served yet).
+        """
+        if args.distributed_executor_backend == "ray":
+            raise ValueError("distributed_executor_backend='ray' is not supported by the server")
+        return cls(create_engine(args.create_engine_config(), use_tqdm=use_tqdm))
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -360,8 +376,20 @@ class AsyncLLM:
             _call(loops[rid], entry.stream._put, error)
 
     def _record_stats(self) -> None:
-        pool = self.engine.kv_cache_manager.pool
-        self.metrics.record_scheduler_stats(self.engine.scheduler.stats(), pool.num_free_blocks)
+        """Scheduler stats summed over the replicas (KV usage: held / usable blocks)."""
+        stats = [r.scheduler.stats() for r in self._replicas]
+        pools = [r.kv_cache_manager.pool for r in self._replicas]
+        total = SchedulerStats(
+            **{
+                f.name: sum(getattr(x, f.name) for x in stats)
+                for f in dataclasses.fields(SchedulerStats)
+                if f.name != "kv_cache_usage"
+            }
+        )
+        usable = sum(p.num_usable_blocks for p in pools)
+        free = sum(p.num_free_blocks for p in pools)
+        total.kv_cache_usage = 1.0 - free / usable if usable else 0.0
+        self.metrics.record_scheduler_stats(total, free)
 
 
 def _call(loop: asyncio.AbstractEventLoop, fn, *args: Any) -> None:
