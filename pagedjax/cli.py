@@ -1,5 +1,7 @@
-"""The `pagedjax` command: generate text, or answer one chat turn, with the offline engine.
+"""The `pagedjax` command: serve the OpenAI-compatible API, or generate text / answer one
+chat turn with the offline engine.
 
+    pagedjax serve [MODEL] --port 8000 --api-key KEY   (see pagedjax.server.api_server)
     pagedjax generate "The capital of France is" --max-tokens 16
     pagedjax chat "What is the capital of France?"
     pagedjax generate --model ./my-llama --prompt-file prompts.txt --temperature 0.8
@@ -43,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedjax", description=__doc__.split("\n")[0])
     parser.add_argument("--log-level", default="INFO")
     sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="Serve the OpenAI-compatible HTTP API.")
+    _add_serve_args(serve)
     gen = sub.add_parser("generate", help="Complete prompts.")
     gen.add_argument("prompts", nargs="*", help="Prompts (default: read --prompt-file).")
     gen.add_argument("--prompt-file", help="A file with one prompt per line.")
@@ -55,10 +59,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_serve_args(p: argparse.ArgumentParser) -> None:
+    from pagedjax.server.cli_args import add_server_args
+
+    add_server_args(p)
+    EngineArgs.add_cli_args(p.add_argument_group("engine"))
+
+
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("pagedjax").setLevel(ns.log_level.upper())
+    if ns.command == "serve":
+        from pagedjax.server.api_server import run_server
+
+        try:
+            return run_server(ns)
+        except ValueError as e:
+            print(f"pagedjax: error: {e}", file=sys.stderr)
+            return 2
     from pagedjax.llm import LLM
 
     args = EngineArgs.from_cli_args(ns)

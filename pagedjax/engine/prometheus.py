@@ -1,0 +1,182 @@
+"""Prometheus metrics of a served engine, with vLLM's metric names (the `vllm:` prefix), so
+that existing dashboards and alerts work unchanged.
+
+`AsyncLLM`'s engine thread feeds a `PrometheusStatLogger` after every step (scheduler
+gauges, token counters, latency histograms); `/metrics` renders its registry. Each logger has
+its own `CollectorRegistry` (plus the process and Python collectors), so several engines in
+one process do not clash. Every metric carries the label `model_name`.
+
+Names (vLLM v1 where it has one; prometheus-client appends `_total` to counters):
+    vllm:num_requests_running / _waiting / _swapped    gauges, requests
+    vllm:kv_cache_usage_perc                           gauge, fraction of usable blocks held
+    vllm:prefix_cache_queries / _hits                  counters, prompt tokens looked up / hit
+    vllm:num_preemptions                               counter
+    vllm:prompt_tokens / vllm:generation_tokens        counters, tokens
+    vllm:request_success{finished_reason}              counter, finished requests
+    vllm:time_to_first_token_seconds                   histogram, arrival -> first token
+    vllm:inter_token_latency_seconds                   histogram, between a request's steps
+    vllm:e2e_request_latency_seconds                   histogram, arrival -> last token
+    vllm:request_prompt_tokens / _generation_tokens    histograms, tokens per request
+    vllm:cache_config_info                             gauge = 1, the cache config as labels
+    pagedjax:kv_cache_free_blocks                      gauge, blocks in the free queue (no
+                                                       vLLM equivalent; == num_gpu_blocks
+                                                       when nothing holds a block)
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    gc_collector,
+    generate_latest,
+    platform_collector,
+    process_collector,
+)
+
+from pagedjax.engine.scheduler import SchedulerStats
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_LATENCY_BUCKETS_LONG = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
+
+
+class PrometheusStatLogger:
+    """The served engine's metrics (see the module docstring for names and units).
+
+    Args:
+        model_name: the served model name, the `model_name` label of every metric.
+        cache_info: labels of `vllm:cache_config_info` (block_size, num_gpu_blocks, ...).
+        registry: where to register (default: a new registry with the process collectors).
+
+    All methods are thread-safe (prometheus-client locks each metric).
+    """
+
+    def __init__(
+        self,
+        model_name: str,
+        cache_info: dict | None = None,
+        registry: CollectorRegistry | None = None,
+    ):
+        if registry is None:
+            registry = CollectorRegistry()
+            process_collector.ProcessCollector(registry=registry)
+            platform_collector.PlatformCollector(registry=registry)
+            gc_collector.GCCollector(registry=registry)
+        self.registry = registry
+        label = {"model_name": model_name}
+        kw = dict(labelnames=["model_name"], registry=registry)
+
+        def gauge(name, doc):
+            return Gauge(name, doc, **kw).labels(**label)
+
+        def counter(name, doc):
+            return Counter(name, doc, **kw).labels(**label)
+
+        def histogram(name, doc, buckets):
+            return Histogram(name, doc, buckets=buckets, **kw).labels(**label)
+
+        self.num_running = gauge("vllm:num_requests_running", "Requests in the running batch.")
+        self.num_waiting = gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.")
+        self.num_swapped = gauge("vllm:num_requests_swapped", "Requests swapped to host memory.")
+        self.kv_usage = gauge(
+            "vllm:kv_cache_usage_perc", "KV cache usage: fraction of usable blocks held (0 to 1)."
+        )
+        self.free_blocks = gauge(
+            "pagedjax:kv_cache_free_blocks", "KV cache blocks in the free queue (cached or not)."
+        )
+        self.prefix_queries = counter(
+            "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+        )
+        self.prefix_hits = counter("vllm:prefix_cache_hits", "Prompt tokens found in the cache.")
+        self.preemptions = counter("vllm:num_preemptions", "Preemptions of running requests.")
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens of started requests.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Generated tokens.")
+        self._success = Counter(
+            "vllm:request_success",
+            "Finished requests, by finish reason.",
+            labelnames=["model_name", "finished_reason"],
+            registry=registry,
+        )
+        self._model_name = model_name
+        for reason in ("stop", "length", "abort"):
+            self._success.labels(model_name=model_name, finished_reason=reason)
+        self.ttft = histogram(
+            "vllm:time_to_first_token_seconds",
+            "Time from arrival to the first token, seconds.",
+            _LATENCY_BUCKETS,
+        )
+        self.itl = histogram(
+            "vllm:inter_token_latency_seconds",
+            "Time between two steps that gave a request tokens, seconds.",
+            _LATENCY_BUCKETS,
+        )
+        self.e2e = histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Time from arrival to the last token, seconds.",
+            _LATENCY_BUCKETS_LONG,
+        )
+        self.request_prompt_tokens = histogram(
+            "vllm:request_prompt_tokens", "Prompt tokens per finished request.", _TOKEN_BUCKETS
+        )
+        self.request_generation_tokens = histogram(
+            "vllm:request_generation_tokens",
+            "Generated tokens per finished request (all n sequences).",
+            _TOKEN_BUCKETS,
+        )
+        info = Gauge(
+            "vllm:cache_config_info",
+            "The KV cache configuration, as labels.",
+            labelnames=sorted(cache_info or {}),
+            registry=registry,
+        )
+        if cache_info:
+            info.labels(**{k: str(v) for k, v in cache_info.items()}).set(1)
+        self._last_prefix = (0, 0)
+        self._last_preemptions = 0
+
+    def record_scheduler_stats(self, stats: SchedulerStats, num_free_blocks: int) -> None:
+        """Sets the gauges; advances the counters by what the cumulative stats gained."""
+        self.num_running.set(stats.num_running_reqs)
+        self.num_waiting.set(stats.num_waiting_reqs)
+        self.num_swapped.set(stats.num_swapped_reqs)
+        self.kv_usage.set(stats.kv_cache_usage)
+        self.free_blocks.set(num_free_blocks)
+        q0, h0 = self._last_prefix
+        self.prefix_queries.inc(max(0, stats.prefix_cache_queries - q0))
+        self.prefix_hits.inc(max(0, stats.prefix_cache_hits - h0))
+        self._last_prefix = (stats.prefix_cache_queries, stats.prefix_cache_hits)
+        self.preemptions.inc(max(0, stats.num_preemptions - self._last_preemptions))
+        self._last_preemptions = stats.num_preemptions
+
+    def record_first_token(self, ttft_s: float, num_prompt_tokens: int) -> None:
+        self.ttft.observe(ttft_s)
+        self.prompt_tokens.inc(num_prompt_tokens)
+
+    def record_inter_token(self, seconds: float) -> None:
+        self.itl.observe(seconds)
+
+    def record_generation_tokens(self, n: int) -> None:
+        self.generation_tokens.inc(n)
+
+    def record_finished(
+        self,
+        finish_reason: str,
+        e2e_s: float | None,
+        num_prompt_tokens: int,
+        num_generation_tokens: int,
+    ) -> None:
+        """Counts a finished request; e2e_s None (an abort) records no histogram."""
+        self._success.labels(model_name=self._model_name, finished_reason=finish_reason).inc()
+        if e2e_s is not None:
+            self.e2e.observe(e2e_s)
+            self.request_prompt_tokens.observe(num_prompt_tokens)
+            self.request_generation_tokens.observe(num_generation_tokens)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric (Content-Type: `CONTENT_TYPE`)."""
+        return generate_latest(self.registry)

@@ -1,0 +1,320 @@
+"""The OpenAI-compatible HTTP server: the FastAPI app, its error handling, and `run_server`
+(what `pagedjax serve` runs: build the engine, then serve it with uvicorn).
+
+Endpoints: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models[/{id}]`,
+`GET /health`, `GET /metrics` (Prometheus text), `POST /tokenize`, `POST /detokenize`,
+`GET /version`, and FastAPI's `/openapi.json` and `/docs`.
+
+Errors always have OpenAI's body `{"error": {"message", "type", "param", "code"}}`:
+400 for a request that is malformed or out of range (bad JSON, wrong types, a prompt longer
+than max_model_len, an option the engine refuses: every `ValueError` of the engine), 401 for
+a missing or wrong API key on `/v1/*` when `--api-key` is set, 404 for an unknown model or
+path, 405 for a wrong method, 415 for a body that is not JSON, 500 only for an internal
+failure, which fails that one request (and 503 while the engine is down).
+
+A client that disconnects aborts its request, streaming or not: a streamed response is
+cancelled by Starlette when the client goes away, and a non-streamed one is raced against a
+watcher of the connection; either way the request's stream aborts it and its blocks are
+freed. On SIGTERM (or SIGINT) uvicorn stops accepting connections, lets in-flight requests
+finish for up to `--shutdown-timeout` seconds and cancels (aborts) the rest; the engine then
+stops and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import secrets
+import signal
+import time
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import pagedjax
+from pagedjax.engine.async_llm import AsyncLLM, EngineDeadError
+from pagedjax.engine.prometheus import CONTENT_TYPE
+from pagedjax.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from pagedjax.server.serving import APIError, OpenAIServing, bad_request
+from pagedjax.server.serving_chat import OpenAIServingChat
+from pagedjax.server.serving_completion import OpenAIServingCompletion
+
+logger = logging.getLogger(__name__)
+
+_ERRORS = {
+    code: {"model": ErrorResponse, "description": desc}
+    for code, desc in [
+        (400, "Invalid request"),
+        (401, "Missing or wrong API key"),
+        (404, "Unknown model"),
+    ]
+}
+
+
+def _error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(err.body.model_dump(), status_code=err.status_code)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    parts, param = [], None
+    for e in exc.errors()[:3]:
+        if e.get("type") == "json_invalid":
+            return f"the body is not valid JSON: {e.get('ctx', {}).get('error', '')}", None
+        loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+        where = ".".join(loc)
+        param = param or (where or None)
+        parts.append(f"{where}: {e.get('msg')}" if where else str(e.get("msg")))
+    return "; ".join(parts) or "invalid request", param
+
+
+def _is_json(content_type: str | None) -> bool:
+    if not content_type:
+        return True  # no Content-Type: parsed as JSON, as FastAPI does
+    media = content_type.split(";")[0].strip().lower()
+    return media == "application/json" or (
+        media.startswith("application/") and media.endswith("+json")
+    )
+
+
+class _ApiKeyMiddleware:
+    """Pure ASGI middleware: `/v1/*` needs `Authorization: Bearer <api key>` (vLLM's rule)."""
+
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if (
+            scope["type"] == "http"
+            and scope["path"].startswith("/v1")
+            and scope["method"] != "OPTIONS"
+        ):
+            given = Headers(scope=scope).get("authorization", "").encode()
+            if not secrets.compare_digest(given, self._expected):
+                err = APIError(401, "Invalid or missing API key.", code="invalid_api_key")
+                await _error_response(err)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+async def _until_disconnected(raw_request: Request) -> None:
+    while True:
+        message = await raw_request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _cancel_on_disconnect(raw_request: Request, coro) -> Response:
+    """Runs a handler; if the client disconnects first, cancels it (which aborts its engine
+    requests). A streamed response is returned as soon as it is created, so only the
+    non-streamed part is raced here; Starlette watches the stream itself."""
+    task = asyncio.ensure_future(coro)
+    watcher = asyncio.ensure_future(_until_disconnected(raw_request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    if task.cancelled():
+        return Response(status_code=499)  # nobody is there to read it
+    return task.result()
+
+
+def build_app(
+    engine: AsyncLLM,
+    api_key: str | None = None,
+    chat_template: str | None = None,
+) -> FastAPI:
+    """The FastAPI app serving `engine` (see the module docstring).
+
+    Args:
+        engine: a running AsyncLLM; the app shuts it down when its lifespan ends.
+        api_key: if set, `/v1/*` requires `Authorization: Bearer <api_key>`.
+        chat_template: a Jinja template that replaces the tokenizer's chat template.
+    """
+    name = engine.model_config.served_model_name
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        await asyncio.to_thread(engine.shutdown)
+
+    app = FastAPI(title="pagedjax", version=pagedjax.__version__, lifespan=lifespan)
+    if api_key:
+        app.add_middleware(_ApiKeyMiddleware, api_key=api_key)
+    completions = OpenAIServingCompletion(engine, name, chat_template)
+    chat = OpenAIServingChat(engine, name, chat_template)
+    base = OpenAIServing(engine, name, chat_template)
+    created = int(time.time())
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return _error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        content_type = request.headers.get("content-type")
+        if not _is_json(content_type):
+            return _error_response(
+                APIError(415, f"Content-Type must be application/json, got {content_type!r}")
+            )
+        message, param = _validation_message(exc)
+        return _error_response(bad_request(message, param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        err = APIError(exc.status_code, str(exc.detail), type=kind)
+        return JSONResponse(err.body.model_dump(), status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(EngineDeadError)
+    async def _dead(request: Request, exc: EngineDeadError):
+        return _error_response(APIError(503, str(exc), type="server_error"))
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception):
+        logger.exception("internal error on %s", request.url.path)
+        err = APIError(500, f"internal server error: {type(exc).__name__}", type="server_error")
+        return _error_response(err)
+
+    @app.get("/health", responses={503: {"model": ErrorResponse}})
+    async def health() -> Response:
+        if engine.errored:
+            return _error_response(APIError(503, "the engine has stopped", type="server_error"))
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": pagedjax.__version__}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(engine.metrics.render(), media_type=CONTENT_TYPE)
+
+    def card() -> ModelCard:
+        mc = engine.model_config
+        return ModelCard(id=name, created=created, root=mc.model, max_model_len=mc.max_model_len)
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def list_models() -> ModelList:
+        return ModelList(data=[card()])
+
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=_ERRORS)
+    async def get_model(model_id: str) -> ModelCard:
+        base.check_model(model_id)
+        return card()
+
+    @app.post("/v1/completions", responses=_ERRORS)
+    async def create_completion(request: CompletionRequest, raw_request: Request):
+        return await _cancel_on_disconnect(raw_request, completions.create(request))
+
+    @app.post("/v1/chat/completions", responses=_ERRORS)
+    async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request):
+        return await _cancel_on_disconnect(raw_request, chat.create(request))
+
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
+    async def tokenize(request: TokenizeRequest) -> TokenizeResponse:
+        base.check_model(request.model)
+        if (request.prompt is None) == (request.messages is None):
+            raise bad_request("give exactly one of prompt and messages")
+        if request.messages is not None:
+            if not request.messages:
+                raise bad_request("messages must not be empty", "messages")
+            if request.add_generation_prompt and request.continue_final_message:
+                raise bad_request("add_generation_prompt and continue_final_message are exclusive")
+            ids = base.render_chat(
+                request.messages, request.add_generation_prompt, request.continue_final_message
+            )
+        else:
+            add = True if request.add_special_tokens is None else request.add_special_tokens
+            ids = base.encode(request.prompt, add)
+        strs = None
+        if request.return_token_strs:
+            strs = base.require_tokenizer().convert_ids_to_tokens(ids)
+        return TokenizeResponse(
+            count=len(ids), max_model_len=base.max_model_len, tokens=ids, token_strs=strs
+        )
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
+    async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
+        base.check_model(request.model)
+        base.check_token_ids(request.tokens, "a")
+        base.require_tokenizer()
+        return DetokenizeResponse(prompt=base.decode(request.tokens))
+
+    return app
+
+
+# ------------------------------------------------------------------------------ serve
+
+
+def _load_chat_template(value: str | None) -> str | None:
+    if value is None:
+        return None
+    path = Path(value)
+    if path.suffix in (".jinja", ".j2", ".txt") or path.exists():
+        try:
+            return path.read_text()
+        except OSError as e:
+            raise ValueError(f"cannot read --chat-template {value!r}: {e}") from e
+    return value
+
+
+def run_server(ns: argparse.Namespace) -> int:
+    """Builds the engine from the parsed flags and serves it until SIGTERM/SIGINT.
+
+    Returns:
+        0 after a graceful shutdown.
+
+    Raises:
+        ValueError: an invalid engine argument or chat template.
+    """
+    import uvicorn
+
+    from pagedjax.config import EngineArgs
+
+    args = EngineArgs.from_cli_args(ns)
+    if ns.model_tag is not None:
+        args.model = ns.model_tag
+    chat_template = _load_chat_template(ns.chat_template)
+    engine = AsyncLLM.from_engine_args(args)
+    app = build_app(engine, api_key=ns.api_key, chat_template=chat_template)
+    config = uvicorn.Config(
+        app,
+        host=ns.host,
+        port=ns.port,
+        log_level=ns.uvicorn_log_level,
+        access_log=not ns.disable_uvicorn_access_log,
+        timeout_graceful_shutdown=ns.shutdown_timeout,
+    )
+    # uvicorn re-raises the signal that stopped it once it has shut down gracefully; these
+    # handlers (restored by uvicorn afterwards) absorb it, so the process exits 0.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    logger.info(
+        "serving %s on http://%s:%d", engine.model_config.served_model_name, ns.host, ns.port
+    )
+    try:
+        uvicorn.Server(config).run()
+    finally:
+        engine.shutdown()
+    return 0

@@ -1,0 +1,376 @@
+"""Pydantic models of the OpenAI API (requests and responses), with vLLM's extra fields.
+
+Requests are validated strictly (JSON types are not coerced: `"max_tokens": "5"` or `true`
+for an integer is refused; NaN and infinities are refused) and each range is declared on the
+field, so that the OpenAPI document at `/openapi.json` describes what is accepted and every
+violation is an HTTP 400. Unknown fields are accepted and ignored (OpenAI clients send fields
+this server does not use, such as `user` or `store`); the server logs their names.
+
+Field meanings follow OpenAI's API reference (`/v1/completions`, `/v1/chat/completions`)
+and, for the extras (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `min_tokens`,
+`stop_token_ids`, ...), vLLM's `SamplingParams`. `to_sampling_params` maps a request onto
+`SamplingParams` as vLLM's server does.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from pagedjax.sampling_params import RequestOutputKind, SamplingParams
+
+MAX_N = 128  # OpenAI's limit on choices per request
+_INT64 = (-(2**63), 2**63 - 1)
+_INT32_MAX = 2**31 - 1
+
+
+class OpenAIBaseModel(BaseModel):
+    """Strict JSON types, no NaN/inf, unknown fields kept (and ignored)."""
+
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
+
+
+class _ResponseModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# --------------------------------------------------------------------------- errors
+
+
+class ErrorInfo(_ResponseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(_ResponseModel):
+    """OpenAI's error body: `{"error": {"message", "type", "param", "code"}}`."""
+
+    error: ErrorInfo
+
+
+# --------------------------------------------------------------------------- requests
+
+
+class StreamOptions(OpenAIBaseModel):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: usage in every chunk
+
+
+NonNegInt = Annotated[int, Field(ge=0, le=_INT64[1])]
+TokenIds = Annotated[list[NonNegInt], Field(max_length=1_000_000)]
+
+
+class SamplingRequest(OpenAIBaseModel):
+    """Fields shared by completions and chat completions."""
+
+    model: str | None = Field(None, description="Served model name (default: the only one).")
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(
+        None, description="Token id (as a string) -> bias added to its logit, in [-100, 100]."
+    )
+    n: int = Field(1, ge=1, le=MAX_N)
+    seed: int | None = Field(None, ge=_INT64[0], le=_INT64[1])
+    stop: str | Annotated[list[str], Field(max_length=64)] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = Field(None, ge=0.0, description="Default 1.0; 0 is greedy.")
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    user: str | None = None
+    # vLLM's extra sampling fields
+    top_k: int | None = Field(None, ge=-1, le=_INT32_MAX)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0, le=_INT64[1])
+    stop_token_ids: TokenIds | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=_INT64[1])
+    allowed_token_ids: TokenIds | None = None
+    bad_words: list[str] | None = None
+    priority: int = Field(0, ge=_INT64[0], le=_INT64[1])
+    cache_salt: str | None = None
+
+    def base_sampling_kwargs(self) -> dict[str, Any]:
+        """The SamplingParams fields common to both endpoints (see `to_sampling_params`)."""
+        return dict(
+            n=self.n,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=0 if self.top_k is None else self.top_k,
+            min_p=0.0 if self.min_p is None else self.min_p,
+            seed=self.seed,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            bad_words=self.bad_words,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens,
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+            logit_bias=_logit_bias(self.logit_bias),
+            allowed_token_ids=self.allowed_token_ids,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
+            output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
+        )
+
+    def check_stream_options(self) -> None:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options can only be set when stream is true")
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    if bias is None:
+        return None
+    out = {}
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise ValueError(f"logit_bias keys must be token ids, got {key!r}") from None
+        if token < 0:
+            raise ValueError(f"logit_bias keys must be token ids >= 0, got {key!r}")
+        out[token] = value
+    return out
+
+
+MAX_PROMPTS = 2048  # OpenAI's limit on prompts per completions request
+PromptInput = (
+    str
+    | Annotated[list[str], Field(max_length=MAX_PROMPTS)]
+    | TokenIds
+    | Annotated[list[TokenIds], Field(max_length=MAX_PROMPTS)]
+)
+
+
+class CompletionRequest(SamplingRequest):
+    """`POST /v1/completions`."""
+
+    prompt: PromptInput = Field(
+        description="A string, a list of strings, token ids, or a list of token-id lists."
+    )
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=_INT64[1], description="<= max_logprobs")
+    max_tokens: int | None = Field(16, ge=1, le=_INT64[1])
+    suffix: str | None = None
+    # vLLM extras
+    prompt_logprobs: int | None = Field(None, ge=0, le=_INT64[1])
+    add_special_tokens: bool = True
+    return_tokens_as_token_ids: bool = False
+
+    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        """Raises ValueError for combinations the fields' own ranges cannot express."""
+        self.check_stream_options()
+        if self.suffix is not None:
+            raise ValueError("suffix is not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of is not supported (only best_of == n)")
+        prompt_logprobs = self.prompt_logprobs
+        if prompt_logprobs is None and self.echo and self.logprobs is not None:
+            prompt_logprobs = self.logprobs  # echoed prompt tokens carry logprobs too
+        return SamplingParams(
+            max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens,
+            logprobs=self.logprobs,
+            prompt_logprobs=prompt_logprobs,
+            **self.base_sampling_kwargs(),
+        )
+
+
+class ContentPart(OpenAIBaseModel):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(OpenAIBaseModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ResponseFormat(OpenAIBaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+
+
+class ChatCompletionRequest(SamplingRequest):
+    """`POST /v1/chat/completions`."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=_INT64[1], description="<= max_logprobs")
+    max_tokens: int | None = Field(None, ge=1, le=_INT64[1], description="Deprecated name.")
+    max_completion_tokens: int | None = Field(None, ge=1, le=_INT64[1])
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    # vLLM extras
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        """Raises ValueError for combinations the fields' own ranges cannot express."""
+        self.check_stream_options()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs to be true")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise ValueError(f"response_format {self.response_format.type!r} is not supported")
+        if self.tools and self.tool_choice != "none":  # OpenAI's default with tools: "auto"
+            raise ValueError("tool calling is not supported (only tool_choice='none')")
+        if self.chat_template is not None:
+            raise ValueError("chat_template in a request is not accepted; use --chat-template")
+        if self.add_generation_prompt and self.continue_final_message:
+            raise ValueError("add_generation_prompt and continue_final_message are exclusive")
+        max_tokens = self.max_completion_tokens or self.max_tokens or default_max_tokens
+        return SamplingParams(
+            max_tokens=max_tokens,
+            logprobs=(self.top_logprobs or 0) if self.logprobs else None,
+            **self.base_sampling_kwargs(),
+        )
+
+
+class TokenizeRequest(OpenAIBaseModel):
+    """`POST /tokenize`: a prompt, or chat messages rendered through the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(OpenAIBaseModel):
+    """`POST /detokenize`."""
+
+    model: str | None = None
+    tokens: TokenIds
+
+
+# --------------------------------------------------------------------------- responses
+
+
+class UsageInfo(_ResponseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class CompletionLogprobs(_ResponseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(_ResponseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(_ResponseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class TopLogprob(_ResponseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(_ResponseModel):
+    content: list[TokenLogprob] | None = None
+
+
+class ChatResponseMessage(_ResponseModel):
+    role: str = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(_ResponseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(_ResponseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(_ResponseModel):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(_ResponseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(_ResponseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(_ResponseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "pagedjax"
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(_ResponseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeResponse(_ResponseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(_ResponseModel):
+    prompt: str

@@ -1,0 +1,293 @@
+"""What the completions and chat handlers share: the error type, model and length checks,
+prompt preparation (tokenization, the chat template), logprob conversion, SSE framing, and
+the merge of several request streams into one.
+
+Tokenization happens here, on the event loop, and the engine receives token ids only: the
+engine thread never tokenizes a server request, so the tokenizer is never used by two
+threads for encoding at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from pagedjax.engine.async_llm import AsyncLLM, RequestStream
+from pagedjax.outputs import Logprob, RequestOutput
+from pagedjax.server.protocol import ChatMessage, ErrorInfo, ErrorResponse, SamplingRequest
+
+logger = logging.getLogger(__name__)
+
+_MIN_LOGPROB = -9999.0  # what -inf becomes in JSON (vLLM's convention)
+
+
+class APIError(Exception):
+    """An error answered with OpenAI's error body (`ErrorResponse`) and an HTTP status."""
+
+    def __init__(
+        self,
+        status_code: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | int | None = None,
+    ):
+        super().__init__(message)
+        self.status_code = status_code
+        self.body = ErrorResponse(
+            error=ErrorInfo(message=message, type=type, param=param, code=code)
+        )
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param)
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def sse(payload: str) -> str:
+    """One server-sent event carrying a JSON payload."""
+    return f"data: {payload}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+class OpenAIServing:
+    """Checks and conversions common to the OpenAI endpoints.
+
+    Args:
+        engine: the running `AsyncLLM`.
+        served_model_name: the name clients must use (or omit) in `model`.
+        chat_template: a Jinja chat template to use instead of the tokenizer's, or None.
+    """
+
+    def __init__(self, engine: AsyncLLM, served_model_name: str, chat_template: str | None):
+        self.engine = engine
+        self.served_model_name = served_model_name
+        self.chat_template = chat_template
+        self.tokenizer = engine.get_tokenizer()
+        mc = engine.model_config
+        self.max_model_len = mc.max_model_len
+        self.vocab_size = mc.arch.vocab_size
+
+    # ------------------------------------------------------------------- checks
+
+    def check_model(self, model: str | None) -> None:
+        """Raises APIError 404 unless `model` is None or the served model's name."""
+        if model is not None and model != self.served_model_name:
+            raise APIError(
+                404,
+                f"The model `{model}` does not exist.",
+                param="model",
+                code="model_not_found",
+            )
+
+    def warn_ignored_fields(self, request: SamplingRequest) -> None:
+        extra = sorted((request.model_extra or {}).keys())
+        if extra:
+            names = ", ".join(repr(k[:40]) for k in extra[:10])
+            logger.warning("ignoring unknown request fields: %s", names)
+
+    def require_tokenizer(self):
+        if self.tokenizer is None:
+            raise bad_request("the server runs without a tokenizer (skip_tokenizer_init)")
+        return self.tokenizer
+
+    def check_token_ids(self, ids: Sequence[int], what: str = "prompt") -> None:
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise bad_request(
+                f"{what} token id {bad} is out of the vocabulary [0, {self.vocab_size})"
+            )
+
+    def fit_prompt(
+        self,
+        ids: list[int],
+        max_tokens: int | None,
+        truncate_prompt_tokens: int | None,
+        what: str = "prompt",
+    ) -> tuple[list[int], int]:
+        """Truncates the prompt if asked and checks prompt + output against max_model_len.
+
+        Returns:
+            (prompt token ids, the output budget: max_tokens, or all the room left).
+
+        Raises:
+            APIError 400: empty prompt, truncation beyond max_model_len, or a request longer
+                than max_model_len (vLLM's message, which names both counts).
+        """
+        m = self.max_model_len
+        if truncate_prompt_tokens is not None:
+            k = m if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+            if k == 0 or k > m:
+                raise bad_request(
+                    f"truncate_prompt_tokens must be -1 or in [1, max_model_len={m}], got "
+                    f"{truncate_prompt_tokens}",
+                    "truncate_prompt_tokens",
+                )
+            ids = ids[-k:]
+        if not ids:
+            raise bad_request(f"the {what} must not be empty (it has 0 tokens)", what)
+        if len(ids) >= m:
+            raise bad_request(
+                f"This model's maximum context length is {m} tokens. However, your request "
+                f"has {len(ids)} input tokens, which leaves no room for output. Please reduce "
+                f"the length of the {what}.",
+                what,
+            )
+        if max_tokens is not None and len(ids) + max_tokens > m:
+            raise bad_request(
+                f"This model's maximum context length is {m} tokens. However, you requested "
+                f"{len(ids) + max_tokens} tokens ({len(ids)} in the {what}, {max_tokens} in "
+                f"the completion). Please reduce the length of the {what} or completion.",
+                "max_tokens",
+            )
+        return ids, (max_tokens if max_tokens is not None else m - len(ids))
+
+    # ---------------------------------------------------------------- prompts
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        tok = self.require_tokenizer()
+        return list(tok(text, add_special_tokens=add_special_tokens).input_ids)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(list(ids))
+
+    def render_chat(
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool,
+        continue_final_message: bool,
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
+        """Token ids of a conversation rendered through the chat template.
+
+        Raises:
+            APIError 400: no template, a message the template cannot render, non-text content.
+        """
+        tok = self.require_tokenizer()
+        template = self.chat_template
+        if template is None and not getattr(tok, "chat_template", None):
+            raise bad_request(
+                "the model has no chat template; start the server with --chat-template"
+            )
+        conversation = [_message_dict(m, i) for i, m in enumerate(messages)]
+        if continue_final_message and conversation[-1]["role"] != "assistant":
+            raise bad_request("continue_final_message needs a final assistant message", "messages")
+        kwargs = dict(template_kwargs or {})
+        for reserved in ("tokenize", "return_dict", "chat_template", "conversation"):
+            kwargs.pop(reserved, None)
+        try:
+            ids = tok.apply_chat_template(
+                conversation,
+                chat_template=template,
+                tools=tools,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                tokenize=True,
+                return_dict=False,
+                **kwargs,
+            )
+        except Exception as e:  # jinja2 errors, the template's raise_exception(), ...
+            raise bad_request(
+                f"the chat template could not render the messages: {e}", "messages"
+            ) from e
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    # ------------------------------------------------------------------ logprobs
+
+    def token_str(self, token_id: int, lp: Logprob | None, as_ids: bool) -> str:
+        if as_ids:
+            return f"token_id:{token_id}"
+        if lp is not None and lp.decoded_token is not None:
+            return lp.decoded_token
+        return self.decode([token_id])
+
+    def top_entries(
+        self, step: dict[int, Logprob], k: int, as_ids: bool
+    ) -> list[tuple[str, float]]:
+        """The k most likely entries of one position's logprob dict, as (token, logprob)."""
+        ranked = sorted(
+            step.items(),
+            key=lambda kv: (kv[1].rank is None, kv[1].rank or 0, -kv[1].logprob),
+        )
+        return [(self.token_str(t, lp, as_ids), clamp_logprob(lp.logprob)) for t, lp in ranked[:k]]
+
+
+def clamp_logprob(x: float) -> float:
+    return _MIN_LOGPROB if math.isinf(x) or math.isnan(x) else max(x, _MIN_LOGPROB)
+
+
+def _message_dict(m: ChatMessage, i: int) -> dict[str, Any]:
+    content = m.content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if part.type != "text" or part.text is None:
+                raise bad_request(
+                    f"messages[{i}]: only text content parts are supported, got {part.type!r}",
+                    "messages",
+                )
+            parts.append(part.text)
+        content = "\n".join(parts)
+    out: dict[str, Any] = {"role": m.role, "content": content if content is not None else ""}
+    if m.name is not None:
+        out["name"] = m.name
+    return out
+
+
+async def merge_streams(
+    streams: Sequence[RequestStream],
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleaves several requests' outputs as (position, output), in arrival order.
+
+    An `EngineError` of any stream is raised; on exit (finished, failed or cancelled) every
+    stream is aborted, so no request outlives its consumer.
+    """
+    if len(streams) == 1:
+        try:
+            async for out in streams[0]:
+                yield 0, out
+        finally:
+            streams[0].abort()
+        return
+    q: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, s: RequestStream) -> None:
+        try:
+            async for out in s:
+                q.put_nowait((i, out))
+        except Exception as e:
+            q.put_nowait((i, e))
+        finally:
+            q.put_nowait((i, done))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await q.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        for s in streams:
+            s.abort()

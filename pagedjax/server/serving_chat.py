@@ -1,0 +1,193 @@
+"""`/v1/chat/completions`: messages -> the chat template -> one engine request of n
+sequences -> a `chat.completion`, or server-sent `chat.completion.chunk`s ending with
+`data: [DONE]`.
+
+A stream opens each choice with a chunk whose delta is `{"role": "assistant", "content": ""}`,
+then sends content deltas; the last chunk of a choice carries its `finish_reason`. With
+`stream_options.include_usage`, a final chunk with no choices carries the usage.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from pagedjax.engine.async_llm import EngineError, RequestStream
+from pagedjax.outputs import CompletionOutput
+from pagedjax.server.protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatResponseMessage,
+    DeltaMessage,
+    TokenLogprob,
+    TopLogprob,
+    UsageInfo,
+)
+from pagedjax.server.serving import (
+    SSE_DONE,
+    APIError,
+    OpenAIServing,
+    bad_request,
+    clamp_logprob,
+    merge_streams,
+    random_id,
+    sse,
+)
+
+
+class OpenAIServingChat(OpenAIServing):
+    """Handles `ChatCompletionRequest`s (see the module docstring)."""
+
+    async def create(self, request: ChatCompletionRequest):
+        """Returns a JSONResponse or a StreamingResponse; raises APIError for bad input."""
+        self.check_model(request.model)
+        self.warn_ignored_fields(request)
+        try:
+            request.to_sampling_params(1)  # the combination checks, before rendering
+        except ValueError as e:
+            raise bad_request(str(e)) from e
+        ids = self.render_chat(
+            request.messages,
+            request.add_generation_prompt,
+            request.continue_final_message,
+            request.tools if request.tool_choice == "none" else None,
+            request.chat_template_kwargs,
+        )
+        max_tokens = request.max_completion_tokens or request.max_tokens
+        ids, budget = self.fit_prompt(ids, max_tokens, request.truncate_prompt_tokens, "messages")
+        try:
+            params = request.to_sampling_params(budget)
+        except ValueError as e:
+            raise bad_request(str(e)) from e
+        params.truncate_prompt_tokens = None  # applied by fit_prompt
+        request_id = random_id("chatcmpl")
+        try:
+            (stream,) = await self.engine.add_requests(
+                [(request_id, {"prompt_token_ids": ids}, params)], priority=request.priority
+            )
+        except ValueError as e:
+            raise bad_request(str(e)) from e
+        created = int(time.time())
+        if request.stream:
+            return StreamingResponse(
+                self._stream(request, request_id, created, len(ids), stream),
+                media_type="text/event-stream",
+            )
+        final = None
+        try:
+            async for _, out in merge_streams([stream]):
+                final = out
+        except EngineError as e:
+            raise APIError(500, str(e), type="server_error") from e
+        choices = [
+            ChatChoice(
+                index=o.index,
+                message=ChatResponseMessage(content=o.text),
+                logprobs=self._logprobs(request, o),
+                finish_reason=o.finish_reason,
+                stop_reason=o.stop_reason,
+            )
+            for o in final.outputs
+        ]
+        completion_tokens = sum(len(o.token_ids) for o in final.outputs)
+        body = ChatCompletionResponse(
+            id=request_id,
+            created=created,
+            model=self.served_model_name,
+            choices=choices,
+            usage=UsageInfo(
+                prompt_tokens=len(ids),
+                completion_tokens=completion_tokens,
+                total_tokens=len(ids) + completion_tokens,
+            ),
+        )
+        return JSONResponse(body.model_dump())
+
+    def _logprobs(self, request: ChatCompletionRequest, o: CompletionOutput) -> ChatLogprobs | None:
+        """OpenAI's chat `logprobs` object: per output token its text, logprob and UTF-8
+        bytes, and the `top_logprobs` most likely; None when not asked for or not computed."""
+        if not request.logprobs or o.logprobs is None:
+            return None
+        k = request.top_logprobs or 0
+        token_ids = list(o.token_ids)
+        content = []
+        for token_id, step in zip(
+            token_ids, o.logprobs[-len(token_ids) :] if token_ids else [], strict=False
+        ):
+            lp = step.get(token_id) if step else None
+            token = self.token_str(token_id, lp, False)
+            top = self.top_entries(step, k, False) if step and k else []
+            content.append(
+                TokenLogprob(
+                    token=token,
+                    logprob=clamp_logprob(lp.logprob) if lp is not None else -9999.0,
+                    bytes=list(token.encode("utf-8")),
+                    top_logprobs=[
+                        TopLogprob(token=t, logprob=v, bytes=list(t.encode("utf-8")))
+                        for t, v in top
+                    ],
+                )
+            )
+        return ChatLogprobs(content=content)
+
+    async def _stream(
+        self,
+        request: ChatCompletionRequest,
+        request_id: str,
+        created: int,
+        prompt_tokens: int,
+        stream: RequestStream,
+    ) -> AsyncIterator[str]:
+        opts = request.stream_options
+        include_usage = bool(opts and opts.include_usage)
+        continuous = bool(opts and opts.continuous_usage_stats)
+        completion_tokens = [0] * request.n
+
+        def usage() -> UsageInfo:
+            c = sum(completion_tokens)
+            return UsageInfo(
+                prompt_tokens=prompt_tokens, completion_tokens=c, total_tokens=prompt_tokens + c
+            )
+
+        def chunk(choices: list[ChatChunkChoice], with_usage: bool) -> str:
+            body = ChatCompletionChunk(
+                id=request_id,
+                created=created,
+                model=self.served_model_name,
+                choices=choices,
+                usage=usage() if with_usage else None,
+            )
+            data = body.model_dump()
+            for c in data["choices"]:  # a delta names only what it carries
+                c["delta"] = {k: v for k, v in c["delta"].items() if v is not None}
+            return sse(json.dumps(data, ensure_ascii=False))
+
+        try:
+            for i in range(request.n):
+                first = ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+                yield chunk([first], continuous)
+            async for _, out in merge_streams([stream]):
+                for o in out.outputs:
+                    completion_tokens[o.index] += len(o.token_ids)
+                    if not o.text and o.finish_reason is None and not request.logprobs:
+                        continue  # e.g. a token that ends inside a UTF-8 character
+                    choice = ChatChunkChoice(
+                        index=o.index,
+                        delta=DeltaMessage(content=o.text),
+                        logprobs=self._logprobs(request, o),
+                        finish_reason=o.finish_reason,
+                        stop_reason=o.stop_reason,
+                    )
+                    yield chunk([choice], continuous)
+            if include_usage:
+                yield chunk([], True)
+        except EngineError as e:
+            yield sse(APIError(500, str(e), type="server_error").body.model_dump_json())
+        yield SSE_DONE

@@ -1,0 +1,238 @@
+"""`/v1/completions`: prompts (text, token ids, or lists of either) -> engine requests ->
+one JSON `CompletionResponse`, or server-sent `text_completion` chunks ending with
+`data: [DONE]`.
+
+Each prompt of the list is one engine request of n sequences; choice i*n + j is sequence j
+of prompt i (OpenAI's and vLLM's order). With `echo`, the prompt text leads each choice's
+text (in a stream, as the choice's first chunk). Usage counts every prompt once and every
+choice's output tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from pagedjax.engine.async_llm import EngineError, RequestStream
+from pagedjax.outputs import CompletionOutput, RequestOutput
+from pagedjax.server.protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    UsageInfo,
+)
+from pagedjax.server.serving import (
+    SSE_DONE,
+    APIError,
+    OpenAIServing,
+    bad_request,
+    clamp_logprob,
+    merge_streams,
+    random_id,
+    sse,
+)
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    """Handles `CompletionRequest`s (see the module docstring)."""
+
+    def _prompts(self, request: CompletionRequest) -> list[tuple[str | None, list[int]]]:
+        """(text or None, token ids) per prompt; raises APIError 400 for an empty one."""
+        p = request.prompt
+        if isinstance(p, str):
+            items: list = [p]
+        elif not p:
+            raise bad_request("prompt must not be empty", "prompt")
+        elif isinstance(p[0], int):
+            items = [p]
+        else:
+            items = list(p)
+        out = []
+        for i, item in enumerate(items):
+            if isinstance(item, str):
+                if not item:
+                    raise bad_request(f"prompt {i} must not be empty", "prompt")
+                out.append((item, self.encode(item, request.add_special_tokens)))
+            else:
+                self.check_token_ids(item)
+                out.append((None, list(item)))
+        return out
+
+    async def create(self, request: CompletionRequest):
+        """Returns a JSONResponse or a StreamingResponse; raises APIError for bad input."""
+        self.check_model(request.model)
+        self.warn_ignored_fields(request)
+        prompts, engine_requests = [], []
+        request_id = random_id("cmpl")
+        for i, (text, ids) in enumerate(self._prompts(request)):
+            ids, budget = self.fit_prompt(ids, request.max_tokens, request.truncate_prompt_tokens)
+            try:
+                params = request.to_sampling_params(budget)
+            except ValueError as e:
+                raise bad_request(str(e)) from e
+            params.truncate_prompt_tokens = None  # applied by fit_prompt
+            prompts.append((text, ids))
+            engine_requests.append((f"{request_id}-{i}", {"prompt_token_ids": ids}, params))
+        try:
+            streams = await self.engine.add_requests(engine_requests, priority=request.priority)
+        except ValueError as e:
+            raise bad_request(str(e)) from e
+        created = int(time.time())
+        if request.stream:
+            return StreamingResponse(
+                self._stream(request, request_id, created, prompts, streams),
+                media_type="text/event-stream",
+            )
+        results: list[RequestOutput | None] = [None] * len(streams)
+        try:
+            async for i, out in merge_streams(streams):
+                results[i] = out
+        except EngineError as e:
+            raise APIError(500, str(e), type="server_error") from e
+        return JSONResponse(
+            self._response(request, request_id, created, prompts, results).model_dump()
+        )
+
+    def _echo_text(self, text: str | None, ids: list[int]) -> str:
+        return text if text is not None else self.decode(ids)
+
+    def _response(self, request, request_id, created, prompts, results) -> CompletionResponse:
+        choices = []
+        completion_tokens = 0
+        for i, ((text, ids), res) in enumerate(zip(prompts, results, strict=True)):
+            echo = self._echo_text(text, ids) if request.echo else ""
+            for o in res.outputs:
+                completion_tokens += len(o.token_ids)
+                choices.append(
+                    CompletionChoice(
+                        index=i * request.n + o.index,
+                        text=echo + o.text,
+                        logprobs=self._logprobs(request, o, res, 0, len(echo)),
+                        finish_reason=o.finish_reason,
+                        stop_reason=o.stop_reason,
+                    )
+                )
+        prompt_tokens = sum(len(ids) for _, ids in prompts)
+        return CompletionResponse(
+            id=request_id,
+            created=created,
+            model=self.served_model_name,
+            choices=sorted(choices, key=lambda c: c.index),
+            usage=UsageInfo(
+                prompt_tokens=prompt_tokens,
+                completion_tokens=completion_tokens,
+                total_tokens=prompt_tokens + completion_tokens,
+            ),
+        )
+
+    def _logprobs(
+        self,
+        request: CompletionRequest,
+        o: CompletionOutput,
+        res: RequestOutput,
+        offset: int,
+        echo_len: int,
+    ) -> CompletionLogprobs | None:
+        """OpenAI's completions `logprobs` object from the engine's per-token dicts: the
+        sampled token's logprob and the `logprobs` most likely; None when not asked for or
+        not computed. `offset` is where this text starts in the choice's text; `echo_len`
+        > 0 when it starts with the echoed prompt, whose tokens then come first."""
+        if request.logprobs is None or o.logprobs is None:
+            return None
+        as_ids = request.return_tokens_as_token_ids
+        k = request.logprobs
+        out = CompletionLogprobs()
+        steps: list[tuple[int, dict | None]] = []
+        if echo_len and res.prompt_logprobs is not None:
+            steps += list(zip(res.prompt_token_ids, res.prompt_logprobs, strict=False))
+        else:
+            offset += echo_len
+        token_ids = list(o.token_ids)
+        steps += list(
+            zip(token_ids, o.logprobs[-len(token_ids) :] if token_ids else [], strict=False)
+        )
+        for token_id, step in steps:
+            lp = step.get(token_id) if step else None
+            token = self.token_str(token_id, lp, as_ids)
+            out.tokens.append(token)
+            out.text_offset.append(offset)
+            offset += len(token)
+            if step is None:  # the first prompt token has no logprob
+                out.token_logprobs.append(None)
+                out.top_logprobs.append(None)
+                continue
+            out.token_logprobs.append(clamp_logprob(lp.logprob) if lp is not None else None)
+            top: dict[str, float] = {}
+            for t, v in self.top_entries(step, k, as_ids) if k else []:
+                top.setdefault(t, v)  # tokens that decode alike: the likeliest is kept
+            if lp is not None:
+                top.setdefault(token, clamp_logprob(lp.logprob))
+            out.top_logprobs.append(top)
+        return out
+
+    async def _stream(
+        self,
+        request: CompletionRequest,
+        request_id: str,
+        created: int,
+        prompts: list[tuple[str | None, list[int]]],
+        streams: list[RequestStream],
+    ) -> AsyncIterator[str]:
+        n = request.n
+        opts = request.stream_options
+        include_usage = bool(opts and opts.include_usage)
+        continuous = bool(opts and opts.continuous_usage_stats)
+        prompt_tokens = sum(len(ids) for _, ids in prompts)
+        completion_tokens = [0] * (len(prompts) * n)
+        echo_pending = [request.echo] * len(completion_tokens)
+        sent_chars = [0] * len(completion_tokens)  # where the next logprobs' offsets start
+
+        def usage() -> UsageInfo:
+            c = sum(completion_tokens)
+            return UsageInfo(
+                prompt_tokens=prompt_tokens, completion_tokens=c, total_tokens=prompt_tokens + c
+            )
+
+        def chunk(choices: list[CompletionChoice], with_usage: bool) -> str:
+            body = CompletionResponse(
+                id=request_id,
+                created=created,
+                model=self.served_model_name,
+                choices=choices,
+                usage=usage() if with_usage else None,
+            )
+            return sse(body.model_dump_json())
+
+        try:
+            async for i, out in merge_streams(streams):
+                for o in out.outputs:
+                    idx = i * n + o.index
+                    text, echo_len = o.text, 0
+                    if echo_pending[idx]:
+                        echo = self._echo_text(*prompts[i])
+                        text, echo_len = echo + text, len(echo)
+                        echo_pending[idx] = False
+                    completion_tokens[idx] += len(o.token_ids)
+                    if not text and o.finish_reason is None and request.logprobs is None:
+                        continue  # e.g. a token that ends inside a UTF-8 character
+                    choice = CompletionChoice(
+                        index=idx,
+                        text=text,
+                        logprobs=self._logprobs(request, o, out, sent_chars[idx], echo_len),
+                        finish_reason=o.finish_reason,
+                        stop_reason=o.stop_reason,
+                    )
+                    lp = choice.logprobs
+                    if lp is not None and lp.tokens:  # offsets run on over token strings
+                        sent_chars[idx] = lp.text_offset[-1] + len(lp.tokens[-1])
+                    else:
+                        sent_chars[idx] += len(text)
+                    yield chunk([choice], continuous)
+            if include_usage:
+                yield chunk([], True)
+        except EngineError as e:
+            yield sse(APIError(500, str(e), type="server_error").body.model_dump_json())
+        yield SSE_DONE

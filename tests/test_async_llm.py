@@ -1,0 +1,279 @@
+"""AsyncLLM in-process: outputs equal the offline engine's whatever the output kind; adds
+are all-or-nothing; an abandoned request is aborted and frees its blocks; a failing step
+fails only the requests then in flight and the engine keeps serving; and the server's
+conversions of engine logprobs into OpenAI's objects, on hand-made engine outputs."""
+
+from __future__ import annotations
+
+import asyncio
+import types
+
+import httpx
+import pytest
+
+from pagedjax import SamplingParams
+from pagedjax.engine.async_llm import AsyncLLM, EngineDeadError, EngineError, RequestStream
+from pagedjax.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedjax.sampling_params import RequestOutputKind
+from pagedjax.server.protocol import ChatCompletionRequest, CompletionRequest
+from pagedjax.server.serving_chat import OpenAIServingChat
+from pagedjax.server.serving_completion import OpenAIServingCompletion
+
+PROMPTS = [[10, 11, 12], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56]]
+
+
+@pytest.fixture(scope="module")
+def llm(make_llm, tiny_llama_dir):
+    return make_llm(tiny_llama_dir)
+
+
+@pytest.fixture(scope="module")
+def engine(make_llm, tiny_llama_dir):
+    eng = AsyncLLM(make_llm(tiny_llama_dir).llm_engine)
+    yield eng
+    eng.shutdown()
+
+
+def _pool_whole(eng: AsyncLLM) -> bool:
+    pool = eng.engine.kv_cache_manager.pool
+    return (
+        not eng.engine.has_unfinished_requests()
+        and eng.num_unfinished_requests == 0
+        and not eng._loops  # no per-request bookkeeping left behind
+        and pool.num_free_blocks == pool.num_usable_blocks
+    )
+
+
+async def _settle(eng: AsyncLLM) -> None:
+    for _ in range(200):  # the engine thread handles aborts asynchronously
+        if _pool_whole(eng):
+            return
+        await asyncio.sleep(0.01)
+
+
+def _params(kind, **kw):
+    return SamplingParams(temperature=0.0, max_tokens=9, output_kind=kind, **kw)
+
+
+def test_every_output_kind_equals_offline(engine, llm):
+    ref = llm.generate(
+        [{"prompt_token_ids": p} for p in PROMPTS], _params(RequestOutputKind.FINAL_ONLY, n=2)
+    )
+
+    async def run(params, i, rid):
+        return [o async for o in engine.generate({"prompt_token_ids": PROMPTS[i]}, params, rid)]
+
+    async def main():
+        kinds = [
+            RequestOutputKind.DELTA,
+            RequestOutputKind.CUMULATIVE,
+            RequestOutputKind.FINAL_ONLY,
+        ]
+        jobs = [
+            run(_params(k, n=2), i, f"{k.name}-{i}") for k in kinds for i in range(len(PROMPTS))
+        ]
+        return await asyncio.gather(*jobs)
+
+    results = asyncio.run(main())
+    for j, outs in enumerate(results):
+        kind, i = divmod(j, len(PROMPTS))
+        want = ref[i].outputs
+        if kind == 0:  # DELTA: the pieces join to the final output
+            for k in range(2):
+                pieces = [o.outputs[k] for o in outs]
+                assert "".join(p.text for p in pieces) == want[k].text
+                assert sum((p.token_ids for p in pieces), []) == want[k].token_ids
+        else:  # CUMULATIVE grows to it; FINAL_ONLY is it, once
+            assert kind == 1 or len(outs) == 1
+            assert [o.text for o in outs[-1].outputs] == [w.text for w in want]
+            assert [o.token_ids for o in outs[-1].outputs] == [w.token_ids for w in want]
+            assert [o.finish_reason for o in outs[-1].outputs] == ["length", "length"]
+        assert outs[-1].finished and all(not o.finished for o in outs[:-1])
+    assert _pool_whole(engine)
+
+
+def test_add_requests_is_all_or_nothing(engine):
+    async def main():
+        good = _params(RequestOutputKind.FINAL_ONLY)
+        with pytest.raises(ValueError, match="prompt 1: .*vocabulary"):
+            await engine.add_requests(
+                [("a", PROMPTS[0], good), ("b", [5, 10**6], good), ("c", PROMPTS[1], good)]
+            )
+        await _settle(engine)
+        assert _pool_whole(engine)
+        with pytest.raises(ValueError, match="already in use"):
+            await engine.add_requests([("d", PROMPTS[0], good), ("d", PROMPTS[1], good)])
+
+    asyncio.run(main())
+
+
+def _aborted(eng: AsyncLLM) -> float:
+    labels = {"model_name": eng.model_config.served_model_name, "finished_reason": "abort"}
+    return eng.metrics.registry.get_sample_value("vllm:request_success_total", labels)
+
+
+def test_abandoned_request_is_aborted_and_frees_its_blocks(engine):
+
+    async def main():
+        params = _params(RequestOutputKind.DELTA, ignore_eos=True)
+        params.max_tokens = 100
+        gen = engine.generate(PROMPTS[1], params, "abandoned")
+        async for _ in gen:
+            break
+        await gen.aclose()
+        await _settle(engine)
+
+    count0 = _aborted(engine)
+    asyncio.run(main())
+    assert _pool_whole(engine)
+    assert _aborted(engine) == count0 + 1
+
+
+def test_a_failing_step_fails_only_the_requests_in_flight(engine, llm, monkeypatch):
+    runner = engine.engine.runner
+    real = runner.execute
+    calls = {"n": 0}
+
+    def flaky(so):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected device failure")
+        return real(so)
+
+    monkeypatch.setattr(runner, "execute", flaky)
+    ref = llm.generate({"prompt_token_ids": PROMPTS[0]}, _params(RequestOutputKind.FINAL_ONLY))
+
+    async def main():
+        params = _params(RequestOutputKind.FINAL_ONLY, ignore_eos=True)
+        with pytest.raises(EngineError, match="injected device failure"):
+            async for _ in engine.generate(PROMPTS[1], params, "victim"):
+                pass
+        await _settle(engine)
+        assert _pool_whole(engine) and not engine.errored
+        params = _params(RequestOutputKind.FINAL_ONLY)
+        return [o async for o in engine.generate({"prompt_token_ids": PROMPTS[0]}, params, "x")]
+
+    outs = asyncio.run(main())
+    assert outs[-1].outputs[0].text == ref[0].outputs[0].text
+
+
+def test_server_internal_error_fails_one_request_only(engine, llm, monkeypatch):
+    """A bug while answering one request is a 500 for it alone (in-process ASGI app)."""
+    from pagedjax.server import serving_completion
+    from pagedjax.server.api_server import build_app
+
+    app = build_app(engine)
+    real = serving_completion.OpenAIServingCompletion._response
+
+    def broken(self, request, *args):
+        if request.user == "unlucky":
+            raise KeyError("injected bug")
+        return real(self, request, *args)
+
+    monkeypatch.setattr(serving_completion.OpenAIServingCompletion, "_response", broken)
+    ref = llm.generate({"prompt_token_ids": PROMPTS[0]}, _params(RequestOutputKind.FINAL_ONLY))
+    body = {"prompt": PROMPTS[0], "temperature": 0, "max_tokens": 9}
+
+    async def main():
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+            bad, good = await asyncio.gather(
+                http.post("/v1/completions", json={**body, "user": "unlucky"}),
+                http.post("/v1/completions", json=body),
+            )
+            health = await http.get("/health")
+        return bad, good, health
+
+    bad, good, health = asyncio.run(main())
+    assert bad.status_code == 500 and bad.json()["error"]["type"] == "server_error"
+    assert good.status_code == 200
+    assert good.json()["choices"][0]["text"] == ref[0].outputs[0].text
+    assert health.status_code == 200
+    assert _pool_whole(engine)
+
+
+def test_shutdown_fails_streams_and_refuses_new_requests(make_llm, tiny_llama_dir):
+    eng = AsyncLLM(make_llm(tiny_llama_dir).llm_engine)
+
+    async def main():
+        params = _params(RequestOutputKind.DELTA, ignore_eos=True)
+        params.max_tokens = 100
+        (stream,) = await eng.add_requests([("s", PROMPTS[1], params)])
+        await asyncio.to_thread(eng.shutdown)
+        with pytest.raises(EngineDeadError):
+            async for _ in stream:
+                pass
+        with pytest.raises(EngineDeadError):
+            await eng.add_requests([("t", PROMPTS[0], params)])
+
+    asyncio.run(main())
+    assert eng.errored
+
+
+# --------------------------------------------------------- conversions, by hand
+
+
+def _fake_serving(cls):
+    tok = types.SimpleNamespace(decode=lambda ids, **kw: "".join(f"<{i}>" for i in ids))
+    arch = types.SimpleNamespace(vocab_size=100)
+    mc = types.SimpleNamespace(max_model_len=64, arch=arch)
+    engine = types.SimpleNamespace(get_tokenizer=lambda: tok, model_config=mc)
+    return cls(engine, "m", None)
+
+
+LOGPROBS = [
+    {5: Logprob(-0.1, 1, "a"), 7: Logprob(-2.5, 2, "c")},
+    {9: Logprob(-0.5, 1, "z"), 6: Logprob(-1.0, 2, "b"), 8: Logprob(float("-inf"), 3, "y")},
+]
+OUTPUT = CompletionOutput(index=0, text="ab", token_ids=[5, 6], logprobs=LOGPROBS)
+
+
+def test_completion_logprobs_object():
+    srv = _fake_serving(OpenAIServingCompletion)
+    req = CompletionRequest(prompt="x", logprobs=1)
+    res = RequestOutput("r", None, [3, 4], [OUTPUT], True)
+    lp = srv._logprobs(req, OUTPUT, res, 0, 0)
+    assert lp.tokens == ["a", "b"]
+    assert lp.token_logprobs == [-0.1, -1.0]
+    assert lp.top_logprobs == [{"a": -0.1}, {"z": -0.5, "b": -1.0}]  # top 1 + the sampled one
+    assert lp.text_offset == [0, 1]
+    # echo: the prompt's tokens first (the first one has no logprob), offsets run on
+    res.prompt_logprobs = [None, {4: Logprob(-3.0, 5, "d"), 8: Logprob(-0.2, 1, "q")}]
+    lp = srv._logprobs(CompletionRequest(prompt="x", logprobs=2, echo=True), OUTPUT, res, 0, 4)
+    assert lp.tokens == ["<3>", "d", "a", "b"]
+    assert lp.token_logprobs == [None, -3.0, -0.1, -1.0]
+    assert lp.text_offset == [0, 3, 4, 5]
+    assert lp.top_logprobs[1] == {"q": -0.2, "d": -3.0}
+    assert lp.top_logprobs[3] == {"z": -0.5, "b": -1.0}
+    # not asked for, or not computed by the engine: no object
+    assert srv._logprobs(CompletionRequest(prompt="x"), OUTPUT, res, 0, 0) is None
+    no_lp = CompletionOutput(index=0, text="ab", token_ids=[5, 6])
+    assert srv._logprobs(req, no_lp, res, 0, 0) is None
+
+
+def test_chat_logprobs_object():
+    srv = _fake_serving(OpenAIServingChat)
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], logprobs=True)
+    req.top_logprobs = 3
+    content = srv._logprobs(req, OUTPUT).model_dump()["content"]
+    assert [c["token"] for c in content] == ["a", "b"]
+    assert [c["logprob"] for c in content] == [-0.1, -1.0]
+    assert content[0]["bytes"] == [97]
+    assert [t["token"] for t in content[1]["top_logprobs"]] == ["z", "b", "y"]
+    assert content[1]["top_logprobs"][2]["logprob"] == -9999.0  # -inf, as JSON allows
+    req.logprobs = False
+    assert srv._logprobs(req, OUTPUT) is None
+
+
+def test_stream_accumulates_deltas_for_final_only():
+    stream = RequestStream("r", RequestOutputKind.FINAL_ONLY, engine=None)
+
+    def delta(text, ids, lps, finished):
+        reason = "length" if finished else None
+        out = CompletionOutput(0, text, ids, -1.0, lps, reason)
+        return RequestOutput("r", None, [1], [out], finished)
+
+    assert stream._merge(delta("a", [5], [LOGPROBS[0]], False)) is None
+    final = stream._merge(delta("b", [6], [LOGPROBS[1]], True))
+    o = final.outputs[0]
+    assert (o.text, o.token_ids, o.logprobs, o.finish_reason) == ("ab", [5, 6], LOGPROBS, "length")

@@ -1,0 +1,262 @@
+"""A client's mistake is a 4xx with OpenAI's error body, never a 500, and disturbs nobody:
+a table of malformed requests against a real server (with an API key), each followed by a
+health check and a normal request; the same table fired while another request streams;
+and a schema-driven fuzz run (schemathesis over the app's OpenAPI document) that must find
+no 5xx and leave no request running and no block held."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pagedjax import SamplingParams
+from tests.server_utils import RemoteServer, num_blocks, tiny_server_args, wait_idle
+
+KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+JSON = {"Content-Type": "application/json", **AUTH}
+C, CHAT = "/v1/completions", "/v1/chat/completions"
+MSG = [{"role": "user", "content": "Hi"}]
+FORM = "application/x-www-form-urlencoded"
+NORMAL = {"model": "tiny", "prompt": "The sky is", "temperature": 0, "max_tokens": 6}
+
+
+def _j(obj) -> str:
+    return json.dumps(obj)
+
+
+def raw(id_, body, status=400, param=None, headers=JSON, method="POST", path=C):
+    """A case: (id, method, path, raw body, headers, expected status, expected param)."""
+    return (id_, method, path, body, headers, status, param)
+
+
+def comp(id_, body, status=400, param=None):
+    return raw(id_, _j(body), status, param)
+
+
+def chat(id_, body, status=400, param=None):
+    return raw(id_, _j(body), status, param, path=CHAT)
+
+
+def user(content):
+    return [{"role": "user", "content": content}]
+
+
+CASES = [
+    raw("broken-json", '{"prompt": "x",'),
+    raw("array-body", "[]"),
+    raw("number-body", "3"),
+    raw("null-body", "null"),
+    raw("string-body", '"hi"'),
+    raw("empty-body", ""),
+    raw("nan-temperature", '{"prompt": "x", "temperature": NaN}'),
+    raw("deep-nesting", "[" * 100_000 + "]" * 100_000),
+    comp("missing-prompt", {"model": "tiny"}, param="prompt"),
+    chat("missing-messages", {"model": "tiny"}, param="messages"),
+    comp("prompt-number", {"prompt": 5}),
+    comp("prompt-mixed-list", {"prompt": ["a", 3]}),
+    comp("max-tokens-string", {"prompt": "x", "max_tokens": "5"}, param="max_tokens"),
+    comp("max-tokens-bool", {"prompt": "x", "max_tokens": True}, param="max_tokens"),
+    comp("max-tokens-float", {"prompt": "x", "max_tokens": 2.5}, param="max_tokens"),
+    comp("max-tokens-negative", {"prompt": "x", "max_tokens": -1}, param="max_tokens"),
+    comp("max-tokens-huge", {"prompt": "x", "max_tokens": 10**30}, param="max_tokens"),
+    comp("max-tokens-over-len", {"prompt": "x", "max_tokens": 1000}, param="max_tokens"),
+    comp("n-zero", {"prompt": "x", "n": 0}, param="n"),
+    comp("n-huge", {"prompt": "x", "n": 10**6}, param="n"),
+    comp("temperature-negative", {"prompt": "x", "temperature": -0.5}, param="temperature"),
+    comp("top-p-zero", {"prompt": "x", "top_p": 0}, param="top_p"),
+    comp("top-k-huge", {"prompt": "x", "top_k": 2**40}, param="top_k"),
+    comp("seed-huge", {"prompt": "x", "seed": 2**70}, param="seed"),
+    comp("unknown-model", {"model": "gpt-9", "prompt": "x"}, 404, "model"),
+    chat("unknown-model-chat", {"model": "gpt-9", "messages": MSG}, 404, "model"),
+    comp("too-long-prompt", {"prompt": "x" * 200}, param="prompt"),
+    chat("too-long-chat", {"messages": user("x" * 200)}, param="messages"),
+    comp("empty-prompt", {"prompt": ""}, param="prompt"),
+    comp("empty-prompt-list", {"prompt": []}, param="prompt"),
+    comp("empty-token-list", {"prompt": [[]]}, param="prompt"),
+    comp("token-out-of-vocab", {"prompt": [5, 999999]}),
+    raw("text-plain", _j({"prompt": "x"}), 415, headers={"Content-Type": "text/plain", **AUTH}),
+    raw("form", "prompt=x", 415, headers={"Content-Type": FORM, **AUTH}),
+    chat("empty-messages", {"messages": []}, param="messages"),
+    chat("bad-role", {"messages": [{"role": "robot", "content": "x"}]}, param="messages"),
+    chat("image-content", {"messages": user([{"type": "image_url"}])}, param="messages"),
+    comp("stream-options-no-stream", {"prompt": "x", "stream_options": {"include_usage": True}}),
+    comp("logit-bias-bad-key", {"prompt": "x", "logit_bias": {"abc": 1}}),
+    comp("logit-bias-range", {"prompt": "x", "logit_bias": {"5": 1000}}, param="logit_bias"),
+    comp("suffix", {"prompt": "x", "suffix": "y"}),
+    chat("json-format", {"messages": MSG, "response_format": {"type": "json_object"}}),
+    chat("tool-calls", {"messages": MSG, "tools": [{"type": "function"}]}),
+    chat("top-logprobs-alone", {"messages": MSG, "top_logprobs": 2}),
+    comp("penalty-range", {"prompt": "x", "presence_penalty": 2.5}, param="presence_penalty"),
+    comp("logprobs-over-max", {"prompt": "x", "logprobs": 21}),
+    comp("logit-bias-out-of-vocab", {"prompt": "x", "logit_bias": {"100000": 1}}),
+    comp("empty-stop", {"prompt": "x", "stop": [""]}),
+    comp("min-over-max-tokens", {"prompt": "x", "max_tokens": 2, "min_tokens": 5}),
+    comp("truncate-zero", {"prompt": "x", "truncate_prompt_tokens": 0}),
+    raw("no-api-key", _j({"prompt": "x"}), 401, headers={"Content-Type": "application/json"}),
+    raw("wrong-api-key", _j({"prompt": "x"}), 401, headers={"Authorization": "Bearer nope"}),
+    raw("models-no-key", None, 401, headers={}, method="GET", path="/v1/models"),
+    raw("wrong-method", None, 405, headers=AUTH, method="GET"),
+    raw("unknown-path", "{}", 404, path="/v1/nothing"),
+    raw("tokenize-both", _j({"prompt": "x", "messages": MSG}), path="/tokenize"),
+    raw("detokenize-out-of-vocab", _j({"tokens": [10**9]}), path="/detokenize"),
+]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_dir, compile_cache_dir, tmp_path_factory, request):
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    args = tiny_server_args(tiny_llama_dir, compile_cache_dir, **{"--api-key": KEY})
+    srv = RemoteServer(args, log_path=log)
+    try:
+        request.getfixturevalue("llm")  # built while the server loads
+        srv.wait_healthy()
+    except BaseException:
+        srv.stop()
+        raise
+    yield srv
+    assert srv.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def llm(make_llm, tiny_llama_dir):
+    return make_llm(tiny_llama_dir)
+
+
+def _offline_text(llm, **kw) -> str:
+    params = SamplingParams(temperature=0.0, **kw)
+    return llm.generate(NORMAL["prompt"], params, use_tqdm=False)[0].outputs[0].text
+
+
+@pytest.fixture(scope="module")
+def reference(llm) -> str:
+    return _offline_text(llm, max_tokens=6)
+
+
+def _assert_openai_error(r: httpx.Response, status: int, param: str | None) -> None:
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"error"}
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert isinstance(err["message"], str) and err["message"]
+    assert err["type"] == "invalid_request_error"
+    if param is not None:
+        assert err["param"] is not None and err["param"].startswith(param), err
+
+
+def test_table_has_at_least_20_cases():
+    assert len(CASES) >= 20 and len({c[0] for c in CASES}) == len(CASES)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_malformed_request_gets_4xx_and_nothing_else_changes(server, reference, case):
+    _, method, path, body, headers, status, param = case
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        r = http.request(method, path, content=body, headers=headers)
+        _assert_openai_error(r, status, param)
+        assert http.get("/health").status_code == 200
+        ok = http.post(C, json=NORMAL, headers=AUTH)
+        assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == reference
+
+
+def test_malformed_requests_do_not_disturb_a_stream_in_flight(server, llm):
+    async def stream(http):
+        body = {**NORMAL, "max_tokens": 60, "ignore_eos": True, "stream": True}
+        text = ""
+        async with http.stream("POST", C, json=body, headers=AUTH) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    text += json.loads(line[6:])["choices"][0]["text"]
+        return text
+
+    async def bad(http, case):
+        _, method, path, body, headers, status, _ = case
+        r = await http.request(method, path, content=body, headers=headers)
+        return r.status_code == status
+
+    async def main():
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as http:
+            task = asyncio.ensure_future(stream(http))
+            oks = await asyncio.gather(*(bad(http, c) for c in CASES))
+            return await asyncio.wait_for(task, 120), oks
+
+    text, oks = asyncio.run(main())
+    assert all(oks)
+    assert text == _offline_text(llm, max_tokens=60, ignore_eos=True)
+    m = wait_idle(server.url)
+    assert m["pagedjax:kv_cache_free_blocks"] == num_blocks(server.url)
+
+
+# ------------------------------------------------------------------------------ fuzz
+
+FUZZED = ["POST /v1/completions", "POST /v1/chat/completions", "POST /tokenize", "POST /detokenize"]
+# Fields whose random values the engine mostly refuses (token ids outside the vocabulary,
+# logprobs above max_logprobs): dropping them lets fuzzed requests reach generation;
+# max_tokens and n are kept small so that the run stays short.
+_REFUSED = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "logit_bias")
+_REFUSED += ("allowed_token_ids", "bad_words", "prompt_logprobs", "logprobs", "top_logprobs")
+_REFUSED += ("stop_token_ids", "min_tokens", "truncate_prompt_tokens")
+
+
+def _reaching_engine(case):
+    if isinstance(case.body, dict):
+        for k in (*_REFUSED, "model", "best_of", "suffix"):
+            case.body.pop(k, None)
+        for k in ("max_tokens", "max_completion_tokens"):
+            case.body[k] = 4
+        case.body["n"] = min(case.body.get("n", 1), 3) if isinstance(case.body.get("n"), int) else 1
+    return case
+
+
+def _check_no_5xx(url, case):
+    r = case.call(base_url=url, headers=AUTH, timeout=120)
+    assert r.status_code < 500, (case.body, r.text[:500])
+    if r.status_code >= 400:
+        err = r.json()["error"]
+        assert isinstance(err["message"], str) and err["type"] == "invalid_request_error"
+    return r.status_code
+
+
+@pytest.fixture(scope="module")
+def schema(server):
+    schemathesis = pytest.importorskip("schemathesis")
+    return schemathesis.openapi.from_url(server.url + "/openapi.json")
+
+
+@pytest.mark.parametrize("label", FUZZED)
+@pytest.mark.parametrize("mode", ["positive", "negative", "reaching-engine"])
+def test_fuzz_finds_no_5xx(server, schema, label, mode):
+    from schemathesis import GenerationMode
+
+    op = schema.find_operation_by_label(label)
+    gen = GenerationMode.NEGATIVE if mode == "negative" else GenerationMode.POSITIVE
+    strategy = op.as_strategy(generation_mode=gen)
+    if mode == "reaching-engine":
+        strategy = strategy.map(_reaching_engine)
+    statuses = []
+
+    @settings(
+        max_examples=30,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(case=strategy, _=st.just(None))
+    def run(case, _):
+        statuses.append(_check_no_5xx(server.url, case))
+
+    run()
+    assert statuses, "no request was generated"
+    if mode == "reaching-engine" and label.startswith("POST /v1"):
+        assert 200 in statuses, "no fuzzed request reached the engine"
+    m = wait_idle(server.url)
+    assert m["vllm:num_requests_running"] == 0
+    assert m["pagedjax:kv_cache_free_blocks"] == num_blocks(server.url)
+    assert httpx.get(server.url + "/health").status_code == 200
