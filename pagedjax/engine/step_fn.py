@@ -31,6 +31,7 @@ from pagedjax.ops.sampling import (
 from pagedjax.sharding.pipeline import METADATA_FIELDS, pipeline_decoder
 
 PROMPT_LOGPROBS_CHUNK = 128  # positions per inner step of the prompt-logprobs computation
+LOGITS_ROW_BLOCK = 64  # rows per LM-head block when a step has more rows than this
 
 
 @struct.dataclass
@@ -106,7 +107,11 @@ def step(
             attention_backend=backend,
         )  # [T, D]
         rows = hidden[a["logits_indices"]]  # [S, D]
-    logits = llama.compute_logits(params, rows)  # [S, V]
+    num_rows = sum(jnp.sum(a["seq_lens"] > 0) for a in parts)  # real rows lead each part
+    if num_microbatches:
+        logits = llama.compute_logits(params, rows)  # [M * S, V]: rows of M parts interleave
+    else:
+        logits = _logits_of_rows(params, rows, num_rows, cfg.vocab_size)  # [S, V]
 
     def cat(name):
         return jnp.concatenate([a[name] for a in parts])
@@ -152,6 +157,27 @@ def step(
 
     plp, prank, pids, plps = jax.lax.cond(want_prompt, with_prompt, without)
     return StepOutput(sampled, plp, prank, pids, plps), kv_cache, sampling_state
+
+
+def _logits_of_rows(params, rows, num_rows, V: int):
+    """LM head of the first `num_rows` of `rows` [S, D] (the rest: zeros), in blocks of
+    LOGITS_ROW_BLOCK rows up to num_rows: a prefill step of a few long prompts has a large
+    S but few rows to sample."""
+    S = rows.shape[0]
+    R = LOGITS_ROW_BLOCK
+    if S <= R:
+        return llama.compute_logits(params, rows)
+    pad = -(-S // R) * R - S
+    rows = jnp.pad(rows, ((0, pad), (0, 0)))
+
+    def block(b, out):
+        x = jax.lax.dynamic_slice_in_dim(rows, b * R, R)
+        return jax.lax.dynamic_update_slice_in_dim(
+            out, llama.compute_logits(params, x), b * R, axis=0
+        )
+
+    out = jnp.zeros((S + pad, V), jnp.float32)
+    return jax.lax.fori_loop(0, (num_rows + R - 1) // R, block, out)[:S]
 
 
 def _largest_divisor(n: int, at_most: int) -> int:

@@ -4,13 +4,15 @@ Two parts, both flash-style (online softmax over chunks of `kv_chunk_pages` page
 Dao et al., FlashAttention, 2022), with loop bounds read from the data so that the work
 follows the longest context actually present rather than `max_model_len`:
 
-1. Decode rows: the last query token of every sequence, all S at once. The loop runs over
-   KV chunks up to max(seq_lens); each turn gathers one chunk of every sequence's pages.
-   In a decode-only step this is all the attention there is.
+1. Decode rows: the last query token of every sequence, sorted by context length and taken
+   in blocks of rows; each block loops over KV chunks up to its longest context, each turn
+   gathering one chunk of its sequences' pages. In a decode-only step this is all the
+   attention there is.
 2. Prefill tiles: sequences with more than one query token are cut (on the host) into tiles
    of `query_tile_size` consecutive tokens. A loop over the valid tiles computes each tile
-   against its sequence's KV chunks up to the tile's last position, causally masked, and
-   writes its rows back (a sequence's last token is written again, with the same value).
+   against its sequence's KV chunks (of `PREFILL_KV_CHUNK_TOKENS`, larger than the decode
+   chunks: faster on CPU) up to the tile's last position, causally masked, and writes its
+   rows back (a sequence's last token is written again, with the same value).
 
 Padding tokens and sequences produce zeros. The output is assembled in a buffer with
 `query_tile_size` spare rows, so that padding rows and tiles that run past T never touch a
@@ -25,6 +27,9 @@ import jax.numpy as jnp
 from pagedjax.ops.attention import AttentionMetadata, dequantize_pages
 
 _NEG = -1e30  # finite "minus infinity": keeps the online softmax free of inf - inf
+DECODE_ROW_BLOCK = 8  # decode rows per block (each block loops to its own longest context)
+DECODE_TURN_COST_ROWS = 8  # fixed cost of one decode loop turn, in rows of work (CPU, measured)
+PREFILL_KV_CHUNK_TOKENS = 128  # KV tokens per inner step of a prefill tile (at least a chunk)
 
 
 def _online_update(m, l, acc, scores, mask, v):
@@ -37,36 +42,69 @@ def _online_update(m, l, acc, scores, mask, v):
 
 
 def _decode_rows(q, k_cache, v_cache, layer, md, sm_scale, k_scale, v_scale):
-    """Attention of each sequence's last query token. Returns [S, K, G, H] float32."""
+    """Attention of each sequence's last query token. Returns [S, K, G, H] float32.
+
+    The rows are sorted by context length (longest first) and cut into blocks of R rows; each
+    block loops over the KV chunks of its own longest context. Small blocks (R =
+    DECODE_ROW_BLOCK) read little more than the contexts there are when their lengths are
+    ragged, and skip padding rows; one block of all rows has the fewest loop turns when the
+    lengths are alike. The step picks the cheaper of the two from the lengths it has, counting
+    a loop turn as DECODE_TURN_COST_ROWS rows of work.
+    """
     T, N, H = q.shape
     K = k_cache.shape[3]
     G = N // K
     S = md.seq_lens.shape[0]
+    R = DECODE_ROW_BLOCK
+    Sp = -(-S // R) * R  # rows padded to whole blocks
+    order = jnp.argsort(-md.seq_lens)  # [S], longest first (stable)
+    pad = Sp - S
+    seq_lens = jnp.pad(md.seq_lens[order], (0, pad))
+    tables = jnp.pad(md.block_tables[order], ((0, pad), (0, 0)))
+    idx = jnp.pad(jnp.minimum(md.last_token_index, T - 1)[order], (0, pad))
+    qd = q[idx].reshape(Sp, K, G, H).astype(jnp.float32) * sm_scale  # [Sp, K, G, H]
     block_size = k_cache.shape[2]
     P = md.kv_chunk_pages
     C = P * block_size
-    idx = jnp.minimum(md.last_token_index, T - 1)
-    qd = q[idx].reshape(S, K, G, H).astype(jnp.float32) * sm_scale  # [S, K, G, H]
-    num_chunks = (jnp.max(md.seq_lens) + C - 1) // C
 
-    def body(c, carry):
-        m, l, acc = carry
-        pages = jax.lax.dynamic_slice_in_dim(md.block_tables, c * P, P, axis=1)  # [S, P]
-        kc = dequantize_pages(k_cache[layer, pages], k_scale).reshape(S, C, K, H)
-        vc = dequantize_pages(v_cache[layer, pages], v_scale).reshape(S, C, K, H)
-        scores = jnp.einsum("SKGH,SCKH->SKGC", qd, kc)
-        kpos = c * C + jnp.arange(C)
-        mask = (kpos[None, :] < md.seq_lens[:, None])[:, None, None, :]  # [S, 1, 1, C]
-        m, l, acc, p = _online_update(m, l, acc, scores, mask, vc)
-        return m, l, acc + jnp.einsum("SKGC,SCKH->SKGH", p, vc)
+    def blocked(R):
+        def rows(b, out):
+            lens = jax.lax.dynamic_slice_in_dim(seq_lens, b * R, R)  # [R]
+            table = jax.lax.dynamic_slice_in_dim(tables, b * R, R)  # [R, B]
+            qb = jax.lax.dynamic_slice_in_dim(qd, b * R, R)  # [R, K, G, H]
 
-    init = (
-        jnp.full((S, K, G), _NEG, jnp.float32),
-        jnp.zeros((S, K, G), jnp.float32),
-        jnp.zeros((S, K, G, H), jnp.float32),
-    )
-    _, l, acc = jax.lax.fori_loop(0, num_chunks, body, init)
-    return acc / jnp.maximum(l, 1e-30)[..., None]
+            def body(c, carry):
+                m, l, acc = carry
+                pages = jax.lax.dynamic_slice_in_dim(table, c * P, P, axis=1)  # [R, P]
+                kc = dequantize_pages(k_cache[layer, pages], k_scale).reshape(R, C, K, H)
+                vc = dequantize_pages(v_cache[layer, pages], v_scale).reshape(R, C, K, H)
+                scores = jnp.einsum("SKGH,SCKH->SKGC", qb, kc)
+                kpos = c * C + jnp.arange(C)
+                mask = (kpos[None, :] < lens[:, None])[:, None, None, :]  # [R, 1, 1, C]
+                m, l, acc, p = _online_update(m, l, acc, scores, mask, vc)
+                return m, l, acc + jnp.einsum("SKGC,SCKH->SKGH", p, vc)
+
+            init = (
+                jnp.full((R, K, G), _NEG, jnp.float32),
+                jnp.zeros((R, K, G), jnp.float32),
+                jnp.zeros((R, K, G, H), jnp.float32),
+            )
+            _, l, acc = jax.lax.fori_loop(0, (lens[0] + C - 1) // C, body, init)
+            o = acc / jnp.maximum(l, 1e-30)[..., None]
+            return jax.lax.dynamic_update_slice_in_dim(out, o, b * R, axis=0)
+
+        return jax.lax.fori_loop(0, Sp // R, rows, jnp.zeros((Sp, K, G, H), jnp.float32))
+
+    if Sp == R:
+        out = blocked(R)
+    else:
+
+        def cost(r):  # loop turns x (rows per turn + the fixed cost of a turn)
+            turns = jnp.sum((seq_lens[::r] + C - 1) // C)
+            return turns * (r + DECODE_TURN_COST_ROWS)
+
+        out = jax.lax.cond(cost(R) < cost(Sp), lambda: blocked(R), lambda: blocked(Sp))
+    return jnp.zeros((S, K, G, H), jnp.float32).at[order].set(out[:S])
 
 
 def _prefill_tiles(q_pad, out, k_cache, v_cache, layer, md, sm_scale, k_scale, v_scale):
@@ -76,8 +114,10 @@ def _prefill_tiles(q_pad, out, k_cache, v_cache, layer, md, sm_scale, k_scale, v
     G = N // K
     Tq = md.query_tile_size
     block_size = k_cache.shape[2]
-    P = md.kv_chunk_pages
+    P = max(md.kv_chunk_pages, PREFILL_KV_CHUNK_TOKENS // block_size)
     C = P * block_size
+    B = md.block_tables.shape[1]
+    tables = jnp.pad(md.block_tables, ((0, 0), (0, -(-B // P) * P - B)))  # whole chunks
     pos_pad = jnp.pad(md.positions, (0, Tq))  # [T + Tq]
 
     def tile(i, out):
@@ -87,7 +127,7 @@ def _prefill_tiles(q_pad, out, k_cache, v_cache, layer, md, sm_scale, k_scale, v
         qt = qt.reshape(Tq, K, G, H).astype(jnp.float32) * sm_scale
         qpos = jax.lax.dynamic_slice_in_dim(pos_pad, q0, Tq)  # [Tq]
         rows = jnp.arange(Tq) < q_len  # [Tq]
-        table = md.block_tables[s]  # [B]
+        table = tables[s]  # [B rounded up to P]
 
         def chunk(c, carry):
             m, l, acc = carry
