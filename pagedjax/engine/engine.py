@@ -13,6 +13,7 @@ draws with seed + i.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import time
@@ -36,6 +37,31 @@ from pagedjax.sharding.mesh import device_grid, replica_mesh
 from pagedjax.sharding.rules import ShardingPlan, per_device_bytes
 
 logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTiming:
+    """Where one `LLMEngine.step` spent its wall time, in seconds (`time.perf_counter`).
+
+    schedule_s: `Scheduler.schedule`. prepare_s: the runner's host work before the device
+    call (request states, block copies and swaps, the packed int32 input buffer). device_s:
+    from the dispatch of the compiled step until its sampled ids and logprobs are on the host
+    (compute and both transfers; the host waits). update_s: everything after (reading the
+    sampled tokens into requests, scheduler update, stop checks, detokenization, building the
+    outputs). total_s: the whole step. The host part of a step is total_s - device_s.
+    """
+
+    num_scheduled_tokens: int
+    num_seqs: int
+    bucket: int  # the compiled step's token count T (0: no device call)
+    schedule_s: float
+    prepare_s: float
+    device_s: float
+    update_s: float
+    total_s: float
+
+    def as_dict(self) -> dict[str, float]:
+        return dataclasses.asdict(self)
 
 
 class LLMEngine:
@@ -125,6 +151,7 @@ class LLMEngine:
         self._rng = random.Random(mc.seed)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stat_logger = StatLogger(enabled=config.log_stats)
+        self.last_step_timing: StepTiming | None = None  # see `StepTiming`
 
     def _log_layout(self) -> None:
         """Mesh shape and the bytes of params and KV cache on each device."""
@@ -321,18 +348,28 @@ class LLMEngine:
         """Schedules and runs one step; returns the outputs it produced (see output_kind)."""
         t0 = time.perf_counter()
         so = self.scheduler.schedule()
+        t1 = time.perf_counter()
         result = self.runner.execute(so)
+        t2 = time.perf_counter()
         progressed = self.scheduler.update_from_output(so, result.sampled)
         touched, stops = self.output_processor.update(progressed, result)
         for req, stop in stops:
             self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
             req.stop_reason = stop
         outputs = self.output_processor.build(touched)
+        t3 = time.perf_counter()
+        self.last_step_timing = StepTiming(
+            num_scheduled_tokens=so.total_num_scheduled_tokens,
+            num_seqs=len(so.num_scheduled_tokens),
+            bucket=result.bucket,
+            schedule_s=t1 - t0,
+            prepare_s=result.prepare_s,
+            device_s=result.device_s,
+            update_s=(t2 - t1 - result.prepare_s - result.device_s) + (t3 - t2),
+            total_s=t3 - t0,
+        )
         self.stat_logger.on_step(
-            so.total_num_scheduled_tokens,
-            len(result.sampled),
-            time.perf_counter() - t0,
-            self.scheduler.stats(),
+            so.total_num_scheduled_tokens, len(result.sampled), t3 - t0, self.scheduler.stats()
         )
         return outputs
 

@@ -83,6 +83,9 @@ class PromptLogprobs:
 class StepResult:
     sampled: dict[str, SampledToken]
     prompt_logprobs: dict[str, PromptLogprobs]
+    prepare_s: float = 0.0  # host: request states, block ops, the packed input buffer
+    device_s: float = 0.0  # the compiled step's dispatch until its sampled ids are on the host
+    bucket: int = 0  # the step's token bucket T (0: nothing ran)
 
 
 @dataclasses.dataclass
@@ -451,25 +454,28 @@ class ModelRunner:
     def execute(self, so: SchedulerOutput) -> StepResult:
         """Runs one step. Returns the tokens sampled for every request whose scheduled tokens
         reached its last known token, and the prompt logprobs computed this step."""
+        t0 = time.perf_counter()
         self._update_states(so)
         self._apply_block_ops(so)
         if so.total_num_scheduled_tokens == 0:
-            return StepResult({}, {})
+            return StepResult({}, {}, prepare_s=time.perf_counter() - t0)
         ids = list(so.num_scheduled_tokens)
         seqs = [self._seq_input(self.requests[r], n) for r, n in so.num_scheduled_tokens.items()]
         batch = self.builder.build_step(seqs, self.num_microbatches)
         exe = self._executables.get(batch.layout.num_tokens)
         if exe is None:
             raise RuntimeError(f"no compiled step for {batch.layout}; warm up first")
+        t1 = time.perf_counter()
         out, self.kv_cache, self.sampling_state = exe(
             self.params, self.kv_cache, self.sampling_state, batch.buffer
         )
         s = out.sampled
         token_ids, logprobs = np.asarray(s.token_ids), np.asarray(s.logprobs)
+        t2 = time.perf_counter()
         want_top = any(x.want_top for x in seqs)
         if want_top:
             ranks, top_ids, top_lps = (np.asarray(x) for x in (s.ranks, s.top_ids, s.top_logprobs))
-        result = StepResult({}, {})
+        result = StepResult({}, {}, t1 - t0, t2 - t1, batch.layout.num_tokens)
         for i, (req_id, seq) in enumerate(zip(ids, seqs, strict=True)):
             st = self.requests[req_id]
             if seq.prompt_targets is not None:
