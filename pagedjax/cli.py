@@ -56,7 +56,46 @@ def build_parser() -> argparse.ArgumentParser:
     for p in (gen, chat):
         _sampling_args(p)
         EngineArgs.add_cli_args(p.add_argument_group("engine"))
+    bench = sub.add_parser(
+        "bench",
+        help="Run a benchmark (a source checkout's benchmarks/; see benchmarks/README.md).",
+    )
+    bench.add_argument("benchmark", choices=sorted(BENCHMARKS), help="which benchmark")
+    bench.add_argument("args", nargs=argparse.REMAINDER, help="its own arguments (--help)")
     return parser
+
+
+# `pagedjax bench NAME` -> the module benchmarks.<module> of a source checkout
+BENCHMARKS = {
+    "throughput": "throughput",
+    "serve": "serving",
+    "latency": "latency",
+    "sharding": "sharding",
+    "kernels": "kernels",
+    "quality": "quality",
+}
+
+
+def _run_benchmark(name: str, args: list[str]) -> int:
+    """Imports benchmarks.<module> (from the working directory, or the checkout this package
+    was installed from in editable mode) and runs its main(args)."""
+    import importlib
+    from pathlib import Path
+
+    checkout = Path(__file__).resolve().parent.parent
+    if (checkout / "benchmarks" / "__init__.py").exists() and str(checkout) not in sys.path:
+        sys.path.insert(0, str(checkout))
+    try:
+        module = importlib.import_module(f"benchmarks.{BENCHMARKS[name]}")
+    except ModuleNotFoundError as e:
+        print(
+            f"pagedjax bench: the benchmarks are in the source checkout ({e}); run this from "
+            "a clone installed with `pip install -e .`",
+            file=sys.stderr,
+        )
+        return 2
+    module.main(args)
+    return 0
 
 
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -70,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("pagedjax").setLevel(ns.log_level.upper())
+    if ns.command == "bench":
+        return _run_benchmark(ns.benchmark, ns.args)
     if ns.command == "serve":
         from pagedjax.server.api_server import run_server
 
