@@ -16,7 +16,7 @@ def main(folder: str, port: str, process_id: str) -> None:
         folder,
         dtype="float32",
         max_model_len=128,
-        max_num_batched_tokens=32,
+        max_num_batched_tokens=16,  # one bucket: prompts are chunked
         max_num_seqs=8,
         num_gpu_blocks_override=40,
         tensor_parallel_size=2,

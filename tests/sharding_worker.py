@@ -56,7 +56,7 @@ def main(folder: str, cache_dir: str, layouts: list[str]) -> None:
             folder,
             dtype="float32",
             max_model_len=128,
-            max_num_batched_tokens=32,
+            max_num_batched_tokens=16,  # one bucket: prompts are chunked
             max_num_seqs=16,
             num_gpu_blocks_override=40,
             compilation_cache_dir=cache_dir,

@@ -149,3 +149,20 @@ def test_unknown_backend_is_named():
     q, k, v, md, _, _ = _case([(0, 2)], 8, 1, 1)
     with pytest.raises(ValueError, match="flash9"):
         ragged_paged_attention(q, k, v, 1, md, sm_scale=1.0, backend="flash9")
+
+
+@pytest.mark.parametrize(
+    "contexts",
+    [
+        [5 * i * i % 500 + 1 for i in range(24)],  # ragged: blocks of 8 rows, each to its own end
+        [300] * 22 + [299, 301],  # alike: one block of all rows has the fewest loop turns
+    ],
+    ids=["ragged", "alike"],
+)
+def test_decode_rows_in_blocks_or_whole_match_reference(contexts):
+    """Both ways `_decode_rows` may take (the step picks the cheaper from the lengths), with
+    rows out of length order and padding rows (24 sequences in a bucket of 32)."""
+    q, k, v, md, _, _ = _case([(c, 1) for c in contexts], 16, 2, 3, chunk_pages=2, seed=3)
+    assert md.seq_lens.shape[0] == 32
+    ref = np.asarray(_attn(q, k, v, md, "reference"))
+    np.testing.assert_allclose(np.asarray(_attn(q, k, v, md, "xla")), ref, atol=2e-5, rtol=1e-5)

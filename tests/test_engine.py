@@ -219,3 +219,19 @@ def test_abort_frees_blocks_mid_run(llm16, prompts8):
     while eng.has_unfinished_requests():
         eng.step()
     _assert_idle_and_whole(llm16)
+
+
+def test_step_timing_splits_the_step(llm16, prompts8):
+    """`last_step_timing`: the parts are non-negative and add up to at most the whole step;
+    the device part of a step that ran is positive and names its bucket."""
+    from pagedjax import SamplingParams
+
+    eng = llm16.llm_engine
+    eng.add_request("timing", {"prompt_token_ids": prompts8[0]}, SamplingParams(max_tokens=2))
+    while eng.has_unfinished_requests():
+        eng.step()
+        t = eng.last_step_timing
+        parts = (t.schedule_s, t.prepare_s, t.device_s, t.update_s)
+        assert min(parts) >= 0 and sum(parts) <= t.total_s * 1.001 + 1e-6
+        assert t.device_s > 0 and t.bucket >= t.num_scheduled_tokens > 0
+    assert not eng.has_unfinished_requests()

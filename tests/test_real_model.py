@@ -31,7 +31,7 @@ def smol(compile_cache_dir):
 
     return LLM(
         max_model_len=512,
-        max_num_batched_tokens=256,
+        max_num_batched_tokens=64,  # three buckets; longer prompts are chunked
         kv_cache_memory_bytes=256 << 20,
         compilation_cache_dir=compile_cache_dir,
         use_tqdm_on_load=False,

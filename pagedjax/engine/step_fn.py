@@ -107,10 +107,10 @@ def step(
             attention_backend=backend,
         )  # [T, D]
         rows = hidden[a["logits_indices"]]  # [S, D]
-    num_rows = sum(jnp.sum(a["seq_lens"] > 0) for a in parts)  # real rows lead each part
     if num_microbatches:
         logits = llama.compute_logits(params, rows)  # [M * S, V]: rows of M parts interleave
     else:
+        num_rows = jnp.sum(parts[0]["seq_lens"] > 0)  # the real rows come first
         logits = _logits_of_rows(params, rows, num_rows, cfg.vocab_size)  # [S, V]
 
     def cat(name):
