@@ -14,6 +14,8 @@ the checkpoint's when it has them, else 1.0 (vLLM's default without calibrated s
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -97,9 +99,20 @@ def write_kv(
     block_size = k_cache.shape[2]
     blocks = slot_mapping // block_size  # [T]
     offsets = slot_mapping % block_size  # [T]
-    k_cache = k_cache.at[layer, blocks, offsets].set(_to_cache(k, k_cache.dtype, k_scale))
-    v_cache = v_cache.at[layer, blocks, offsets].set(_to_cache(v, v_cache.dtype, v_scale))
-    return k_cache, v_cache
+    return (
+        _scatter(k_cache, layer, blocks, offsets, _to_cache(k, k_cache.dtype, k_scale)),
+        _scatter(v_cache, layer, blocks, offsets, _to_cache(v, v_cache.dtype, v_scale)),
+    )
+
+
+def _scatter(cache, layer, blocks, offsets, x):
+    """cache[layer, blocks, offsets] = x. A float8 cache is written through a uint8 view: XLA
+    CPU turns a scatter into a float8 array into a pass over the whole array."""
+    if not is_quantized_cache(cache.dtype):
+        return cache.at[layer, blocks, offsets].set(x)
+    u8 = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.uint8)
+    out = u8(cache).at[layer, blocks, offsets].set(u8(x))
+    return jax.lax.bitcast_convert_type(out, cache.dtype)
 
 
 def _to_cache(x: jax.Array, dtype, scale) -> jax.Array:
