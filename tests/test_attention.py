@@ -14,19 +14,6 @@ from pagedjax.engine.input_batch import BatchBuilder, SeqInput
 from pagedjax.ops.attention import AttentionMetadata, ragged_paged_attention
 
 HEAD_DIM = 16
-FIELDS = (
-    "slot_mapping",
-    "positions",
-    "seq_lens",
-    "query_start_loc",
-    "block_tables",
-    "last_token_index",
-    "tile_seq",
-    "tile_q_start",
-    "tile_q_len",
-    "tile_kv_len",
-    "num_tiles",
-)
 
 
 def _case(
@@ -53,8 +40,8 @@ def _case(
     )
     layout, buf = builder.build(seqs)
     a = layout.unpack(buf.copy())
-    md = AttentionMetadata(
-        **{f: jnp.asarray(a[f]) for f in FIELDS}, query_tile_size=tile, kv_chunk_pages=chunk_pages
+    md = AttentionMetadata.from_arrays(
+        {f: jnp.asarray(x) for f, x in a.items()}, query_tile_size=tile, kv_chunk_pages=chunk_pages
     )
     T = layout.num_tokens
     shape = (2, num_blocks, block_size, num_kv_heads, HEAD_DIM)

@@ -23,19 +23,6 @@ from pagedjax.ops.attention import AttentionMetadata, ragged_paged_attention
 from pagedjax.ops.paged_attention_pallas import paged_attention_pallas, unsupported_reason
 from pagedjax.ops.paged_attention_ref import paged_attention_reference
 
-FIELDS = (
-    "slot_mapping",
-    "positions",
-    "seq_lens",
-    "query_start_loc",
-    "block_tables",
-    "last_token_index",
-    "tile_seq",
-    "tile_q_start",
-    "tile_q_len",
-    "tile_kv_len",
-    "num_tiles",
-)
 LAYER = 1
 
 
@@ -60,7 +47,7 @@ def _case(spec, block_size, kv_heads, group, head_dim, *, q_dtype="float32", see
     )
     layout, buf = builder.build(seqs)
     a = layout.unpack(buf.copy())
-    md = AttentionMetadata(**{f: jnp.asarray(a[f]) for f in FIELDS})
+    md = AttentionMetadata.from_arrays({f: jnp.asarray(x) for f, x in a.items()})
     shape = (2, num_blocks, block_size, kv_heads, head_dim)
     k = jnp.asarray(rng.standard_normal(shape, np.float32))
     v = jnp.asarray(rng.standard_normal(shape, np.float32))

@@ -40,26 +40,7 @@ def _forward_chunks(params, cfg, kv, chunks, backend, block_ids):
     for chunk in chunks:
         layout, buf = builder.build([SeqInput(np.asarray(chunk, np.int32), start, block_ids)])
         a = {k: jnp.asarray(v) for k, v in layout.unpack(buf.copy()).items()}
-        md = AttentionMetadata(
-            **{
-                f: a[f]
-                for f in (
-                    "slot_mapping",
-                    "positions",
-                    "seq_lens",
-                    "query_start_loc",
-                    "block_tables",
-                    "last_token_index",
-                    "tile_seq",
-                    "tile_q_start",
-                    "tile_q_len",
-                    "tile_kv_len",
-                    "num_tiles",
-                )
-            },
-            query_tile_size=8,
-            kv_chunk_pages=2,
-        )
+        md = AttentionMetadata.from_arrays(a, query_tile_size=8, kv_chunk_pages=2)
         hidden, kv = fwd(params, kv, a, md)
         logits.append(np.asarray(llama.compute_logits(params, hidden[: len(chunk)])))
         start += len(chunk)

@@ -20,7 +20,7 @@ from flax import struct
 
 from pagedjax.engine.input_batch import PackedLayout
 from pagedjax.models import llama
-from pagedjax.ops.attention import AttentionMetadata
+from pagedjax.ops.attention import METADATA_FIELDS, AttentionMetadata
 from pagedjax.ops.sampling import (
     SamplerOutput,
     SamplingMetadata,
@@ -28,7 +28,7 @@ from pagedjax.ops.sampling import (
     prompt_logprobs,
     sample,
 )
-from pagedjax.sharding.pipeline import METADATA_FIELDS, pipeline_decoder
+from pagedjax.sharding.pipeline import pipeline_decoder
 
 PROMPT_LOGPROBS_CHUNK = 128  # positions per inner step of the prompt-logprobs computation
 LOGITS_ROW_BLOCK = 64  # rows per LM-head block when a step has more rows than this
@@ -94,9 +94,7 @@ def step(
     else:
         parts = [layout.unpack(packed)]
         a = parts[0]
-        md = AttentionMetadata(
-            **{k: a[k] for k in METADATA_FIELDS}, query_tile_size=tile, kv_chunk_pages=chunk_pages
-        )
+        md = AttentionMetadata.from_arrays(a, query_tile_size=tile, kv_chunk_pages=chunk_pages)
         hidden, kv_cache = llama.forward(
             params,
             kv_cache,

@@ -20,20 +20,6 @@ from pagedjax.models import llama
 from pagedjax.ops.attention import AttentionMetadata
 from pagedjax.ops.kv_cache import init_kv_cache, kv_cache_jnp_dtype, kv_cache_shape
 
-_MD_FIELDS = (
-    "slot_mapping",
-    "positions",
-    "seq_lens",
-    "query_start_loc",
-    "block_tables",
-    "last_token_index",
-    "tile_seq",
-    "tile_q_start",
-    "tile_q_len",
-    "tile_kv_len",
-    "num_tiles",
-)
-
 
 @functools.partial(
     jax.jit,
@@ -43,9 +29,7 @@ _MD_FIELDS = (
 def _chunk_logprobs(params, kv_cache, packed, targets, *, layout, cfg, backend, tile, chunk_pages):
     """Log-probabilities [T] float32 of `targets` [T] after each token of one packed chunk."""
     a = layout.unpack(packed)
-    md = AttentionMetadata(
-        **{f: a[f] for f in _MD_FIELDS}, query_tile_size=tile, kv_chunk_pages=chunk_pages
-    )
+    md = AttentionMetadata.from_arrays(a, query_tile_size=tile, kv_chunk_pages=chunk_pages)
     hidden, kv_cache = llama.forward(
         params, kv_cache, a["input_ids"], a["positions"], md, cfg=cfg, attention_backend=backend
     )  # [T, D]

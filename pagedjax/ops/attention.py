@@ -60,6 +60,28 @@ class AttentionMetadata:
     query_tile_size: int = struct.field(pytree_node=False, default=32)
     kv_chunk_pages: int = struct.field(pytree_node=False, default=8)
 
+    @classmethod
+    def from_arrays(cls, arrays, **static) -> AttentionMetadata:
+        """The metadata fields (`METADATA_FIELDS`) picked from a mapping of named arrays, e.g.
+        `PackedLayout.unpack`'s; `static`: query_tile_size, kv_chunk_pages."""
+        return cls(**{f: arrays[f] for f in METADATA_FIELDS}, **static)
+
+
+# The array fields of AttentionMetadata, in order (the packed layout names them the same).
+METADATA_FIELDS = (
+    "slot_mapping",
+    "positions",
+    "seq_lens",
+    "query_start_loc",
+    "block_tables",
+    "last_token_index",
+    "tile_seq",
+    "tile_q_start",
+    "tile_q_len",
+    "tile_kv_len",
+    "num_tiles",
+)
+
 
 def ragged_paged_attention(
     q: jax.Array,

@@ -24,20 +24,6 @@ from pagedjax.models import llama
 from pagedjax.ops.attention import AttentionMetadata
 from pagedjax.sharding.mesh import PIPELINE
 
-METADATA_FIELDS = (
-    "slot_mapping",
-    "positions",
-    "seq_lens",
-    "query_start_loc",
-    "block_tables",
-    "last_token_index",
-    "tile_seq",
-    "tile_q_start",
-    "tile_q_len",
-    "tile_kv_len",
-    "num_tiles",
-)
-
 
 def pipeline_decoder(
     layers: dict[str, Any],
