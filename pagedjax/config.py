@@ -19,7 +19,7 @@ logger = logging.getLogger(__name__)
 
 ALLOWED_BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-ATTENTION_BACKENDS = ("auto", "xla", "reference", "pallas")
+ATTENTION_BACKENDS = ("auto", "xla", "cpu", "reference", "pallas")
 # vLLM's names; "fp8" is float8_e4m3fn (as on CUDA), see `ops.kv_cache`.
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 # vLLM's names (awq_marlin / gptq_marlin read the same files as awq / gptq), see `ops.quant`.
@@ -49,7 +49,7 @@ class ModelConfig:
         seed: the engine seed (requests without their own seed draw one from it).
         max_model_len: prompt + output tokens at most.
         arch: the checkpoint's hyper-parameters.
-        attention_backend: "xla" | "reference" | "pallas".
+        attention_backend: "xla" | "cpu" | "reference" | "pallas".
         max_logprobs: the most logprobs / prompt_logprobs a request may ask for.
         download_dir: where conversions are cached.
         quantization: None (float weights), "int8" | "w8a8" | "fp8" (float weights quantized
@@ -283,7 +283,8 @@ class EngineArgs:
     process_id: int = _field(0, "This process's index in [0, num_processes).")
     attention_backend: str = _field(
         "auto",
-        "Attention implementation ('auto': pallas on GPU, xla on CPU).",
+        "Attention implementation ('auto': pallas on GPU; on CPU, cpu (native decode kernel) "
+        "on one device when a C++ compiler builds it, else xla).",
         choices=ATTENTION_BACKENDS,
     )
     max_logprobs: int = _field(20, "Most logprobs / prompt_logprobs a request may ask for.")
@@ -388,8 +389,28 @@ class EngineArgs:
                 f"max_position_embeddings ({arch.max_position_embeddings})"
             )
         backend = self.attention_backend
+        one_device = self.tensor_parallel_size * self.pipeline_parallel_size == 1 and (
+            self.data_parallel_size == 1 and self.num_processes == 1
+        )
+        if backend == "cpu":
+            from pagedjax.ops import cpu_attention
+
+            if not (on_cpu and one_device):
+                raise ValueError(
+                    "attention_backend 'cpu' runs on one CPU device (no tensor, pipeline or "
+                    "data parallelism, one process); use 'xla'"
+                )
+            if not cpu_attention.available():
+                raise ValueError(
+                    f"attention_backend 'cpu' is unavailable: {cpu_attention.unavailable_reason()}"
+                )
         if backend == "auto":
             backend = "xla" if on_cpu else "pallas"
+            if on_cpu and one_device:
+                from pagedjax.ops import cpu_attention
+
+                if cpu_attention.available():
+                    backend = "cpu"
             if backend == "pallas":
                 from pagedjax.ops.paged_attention_pallas import unsupported_reason
 

@@ -1,5 +1,6 @@
-"""Ragged paged attention: the XLA path against the jnp reference over a grid of shapes, and
-the reference against a dense NumPy softmax computed independently."""
+"""Ragged paged attention: the XLA path and the "cpu" path (native C++ decode rows) against
+the jnp reference over a grid of shapes, and the reference against a dense NumPy softmax
+computed independently."""
 
 from __future__ import annotations
 
@@ -11,9 +12,12 @@ import numpy as np
 import pytest
 
 from pagedjax.engine.input_batch import BatchBuilder, SeqInput
+from pagedjax.ops import cpu_attention
 from pagedjax.ops.attention import AttentionMetadata, ragged_paged_attention
 
 HEAD_DIM = 16
+# The fast backends checked against the reference; "cpu" needs a C++ compiler (present in CI).
+FAST_BACKENDS = ["xla", "cpu"]
 
 
 def _case(
@@ -98,22 +102,23 @@ def _grid(bs):
     }
 
 
-def _check_xla(spec, block_size, kv_heads, group, **kw):
+def _check_xla(spec, block_size, kv_heads, group, backend="xla", **kw):
     q, k, v, md, _, a = _case(spec, block_size, kv_heads, group, seed=block_size + group, **kw)
     ref = np.asarray(_attn(q, k, v, md, "reference"))
-    got = np.asarray(_attn(q, k, v, md, "xla"))
+    got = np.asarray(_attn(q, k, v, md, backend))
     np.testing.assert_allclose(got, ref, atol=2e-5, rtol=1e-5)
     total = int(a["query_start_loc"][-1])
     assert total < q.shape[0], "the case must include padding tokens"
     assert not got[total:].any(), "padding rows must be zero"
 
 
+@pytest.mark.parametrize("backend", FAST_BACKENDS)
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("kv_heads,group", [(2, 1), (1, 3), (2, 4), (1, 8)])
-def test_xla_matches_reference(block_size, kv_heads, group):
+def test_xla_matches_reference(block_size, kv_heads, group, backend):
     """Every case of the grid in one ragged batch (one compilation per shape)."""
     spec = [s for case in _grid(block_size).values() for s in case]
-    _check_xla(spec, block_size, kv_heads, group, max_tokens=512)
+    _check_xla(spec, block_size, kv_heads, group, backend, max_tokens=512)
 
 
 @pytest.mark.slow
@@ -153,3 +158,64 @@ def test_decode_rows_in_blocks_or_whole_match_reference(contexts):
     assert md.seq_lens.shape[0] == 32
     ref = np.asarray(_attn(q, k, v, md, "reference"))
     np.testing.assert_allclose(np.asarray(_attn(q, k, v, md, "xla")), ref, atol=2e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(_attn(q, k, v, md, "cpu")), ref, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "head_dim,dtype",
+    [
+        (64, "float32"),
+        (24, "float32"),
+        (64, "bfloat16"),
+        (64, "float8_e4m3fn"),
+        (32, "float8_e5m2"),
+    ],
+)
+def test_native_kernel_matches_numpy(head_dim, dtype):
+    """`cpu_attention.paged_attention` against a dense NumPy softmax: register-tiled head dims
+    (64, 32) and the generic loop (24); float32, bfloat16 and float8 caches (with scales);
+    scattered blocks; decode rows (one ending mid-block, a one-token context), a prefill chunk
+    after a cached prefix that spans two query tiles, a padding sequence and padding tokens."""
+    rng = np.random.default_rng(head_dim)
+    L, NB, BS, K, G, B = 3, 48, 16, 2, 3, 8
+    lens = np.array([37, 1, 64, 0, 100], np.int32)
+    qlens = np.array([1, 1, 1, 0, 21], np.int32)  # the last: prefill of positions 79..99
+    qsl = np.concatenate([[0], np.cumsum(qlens)]).astype(np.int32)
+    T = int(qsl[-1]) + 3  # three padding tokens
+    tables = rng.permutation(np.arange(1, NB))[: len(lens) * B].reshape(len(lens), B)
+    tables = tables.astype(np.int32)
+    shape = (L, NB, BS, K, head_dim)
+    k = rng.standard_normal(shape, np.float32)
+    v = rng.standard_normal(shape, np.float32)
+    k_scale, v_scale = (0.5, 1.5) if "float8" in dtype else (None, None)
+    kc, vc = jnp.asarray(k).astype(dtype), jnp.asarray(v).astype(dtype)
+    k_read = np.asarray(kc.astype(jnp.float32)) * (k_scale or 1.0)  # what the cache holds
+    v_read = np.asarray(vc.astype(jnp.float32)) * (v_scale or 1.0)
+    q = rng.standard_normal((T, K * G, head_dim), np.float32)
+    scale = head_dim**-0.5
+    got = np.asarray(
+        jax.jit(
+            lambda q, kc, vc, lens, qsl, tables: cpu_attention.paged_attention(
+                q, kc, vc, 2, lens, qsl, tables, sm_scale=scale, k_scale=k_scale, v_scale=v_scale
+            )
+        )(jnp.asarray(q), kc, vc, jnp.asarray(lens), jnp.asarray(qsl), jnp.asarray(tables))
+    )
+    assert not got[qsl[-1] :].any(), "padding tokens must be zero"
+    for s, (n, ql) in enumerate(zip(lens, qlens, strict=True)):
+        for i in range(ql):
+            ctx = n - ql + i + 1  # positions the query sees
+            pos = np.arange(ctx)
+            ks = k_read[2, tables[s, pos // BS], pos % BS]  # [ctx, K, H]
+            vs = v_read[2, tables[s, pos // BS], pos % BS]
+            for h in range(K * G):
+                sc = ks[:, h // G] @ q[qsl[s] + i, h] * scale
+                p = np.exp(sc - sc.max())
+                want = (p / p.sum()) @ vs[:, h // G]
+                np.testing.assert_allclose(got[qsl[s] + i, h], want, atol=2e-5, rtol=1e-5)
+
+
+def test_native_kernel_reports_a_failed_build(monkeypatch, tmp_path):
+    """No compiler: `build` names it; the engine's "auto" backend then keeps "xla"."""
+    monkeypatch.setenv("PAGEDJAX_CACHE_DIR", str(tmp_path))
+    with pytest.raises(RuntimeError, match="no C\\+\\+ compiler 'no-such-cxx'"):
+        cpu_attention.build("no-such-cxx")

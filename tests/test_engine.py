@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from pagedjax import SamplingParams
+from pagedjax.config import EngineArgs
 from pagedjax.engine.runner import compile_count
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
@@ -207,6 +208,14 @@ def test_bad_engine_and_sampling_arguments_name_the_field(make_llm, tiny_llama_d
         make_llm(tiny_llama_dir, max_model_len=10_000)
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         make_llm(tiny_llama_dir, gpu_memory_utilization=1.5)
+    args = EngineArgs(model=str(tiny_llama_dir), attention_backend="cpu", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="attention_backend 'cpu' runs on one CPU device"):
+        args.create_engine_config()
+
+
+def test_auto_attention_backend_is_the_native_kernel_on_one_cpu(llm16):
+    """On one CPU device with a C++ compiler (as in CI), "auto" picks the native kernel."""
+    assert llm16.llm_engine.config.model_config.attention_backend == "cpu"
 
 
 def test_abort_frees_blocks_mid_run(llm16, prompts8):

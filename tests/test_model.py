@@ -88,7 +88,7 @@ def test_prefill_logits_match_hf(tmp_path, name):
     ref = _hf_logits(folder, ids)
     shape = kv_cache_shape(cfg.num_hidden_layers, 16, BLOCK, cfg.num_key_value_heads, cfg.head_dim)
     blocks = np.arange(1, 8, dtype=np.int32)
-    for backend in ("reference", "xla"):
+    for backend in ("reference", "xla", "cpu"):
         got, _ = _forward_chunks(
             params, cfg, init_kv_cache(shape, jnp.float32), [ids], backend, blocks
         )
@@ -104,7 +104,7 @@ def test_chunked_prefill_and_decode_match_hf(tmp_path, tiny_llama_dir):
     shape = kv_cache_shape(cfg.num_hidden_layers, 20, BLOCK, cfg.num_key_value_heads, cfg.head_dim)
     blocks = np.array([7, 3, 12, 1, 9, 15], np.int32)  # scattered, out of order
     chunks = [ids[:13], ids[13:16], ids[16:33], *([t] for t in ids[33:])]
-    for backend in ("reference", "xla"):
+    for backend in ("reference", "xla", "cpu"):
         got, _ = _forward_chunks(
             params, cfg, init_kv_cache(shape, jnp.float32), chunks, backend, blocks
         )

@@ -9,7 +9,9 @@ sequence's block table. The new tokens' K/V are already in the cache when this i
 Implementations (all share `tests/test_attention.py`):
     "reference"  `paged_attention_ref`: dense, per token, obviously right, memory-hungry.
     "xla"        `paged_attention_xla`: flash-style online softmax over KV chunks in XLA loops;
-                 the CPU path.
+                 runs anywhere, sharded or not.
+    "cpu"        `cpu_attention.paged_attention`: a native C++ kernel (an XLA FFI custom
+                 call) that reads pages in place; the fast path on one CPU device.
     "pallas"     `paged_attention_pallas`: the Pallas kernel (GPU; `interpret=True` on CPU).
 """
 
@@ -19,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-BACKENDS = ("reference", "xla", "pallas")
+BACKENDS = ("reference", "xla", "cpu", "pallas")
 
 
 @struct.dataclass
@@ -104,7 +106,7 @@ def ragged_paged_attention(
         layer: scalar index into the L axis.
         md: the step's `AttentionMetadata`.
         sm_scale: softmax scale, usually 1 / sqrt(H).
-        backend: "reference", "xla" or "pallas".
+        backend: "reference", "xla", "cpu" or "pallas".
         k_scale, v_scale: for a quantized cache (e.g. float8_e4m3fn), the scalar float32
             scales of this layer's K and V: a cached value means `value * scale`. None for
             a cache in the compute dtype.
@@ -123,6 +125,22 @@ def ragged_paged_attention(
         from pagedjax.ops.paged_attention_ref import paged_attention_reference as impl
     elif backend == "xla":
         from pagedjax.ops.paged_attention_xla import paged_attention_xla as impl
+    elif backend == "cpu":
+        from pagedjax.ops.cpu_attention import paged_attention
+
+        out = paged_attention(
+            q,
+            k_cache,
+            v_cache,
+            layer,
+            md.seq_lens,
+            md.query_start_loc,
+            md.block_tables,
+            sm_scale=sm_scale,
+            k_scale=k_scale,
+            v_scale=v_scale,
+        )
+        return out.astype(q.dtype)
     elif backend == "pallas":
         from pagedjax.ops.paged_attention_pallas import paged_attention_pallas as impl
     else:

@@ -1,0 +1,358 @@
+// Ragged paged attention on CPU, as an XLA FFI custom call.
+//
+// Each query token attends causally to its sequence's context, read in place from the paged
+// cache through the block table (the XLA path has to gather every KV chunk into a temporary
+// first, which on CPU costs more than the arithmetic). The step's queries are flat and ragged
+// (`query_start_loc`); query i of a sequence with `qlen` queries and `seq_len` context sits at
+// position seq_len - qlen + i.
+//
+// Work item = up to `query_tile` consecutive queries of one sequence (a decode row is an item
+// of one). An item reads its context block by block (a block's rows, all KV heads, lie back
+// to back) in two passes (the "safe softmax" of Milakov & Gimelshein, 2018, as in vLLM's CPU
+// paged attention): scores q.k of every visible position, their max, then exp(score - max)
+// weights applied to V, normalised by their sum at the end. The inner loops keep one head's
+// query (pass 1) or output accumulator (pass 2) in registers as 8-float vectors (GCC/Clang
+// vector extensions, mapped to the machine's SIMD) while the block's rows stream past; a
+// block read once serves every query and head of the item. Items are spread over XLA's
+// intra-op thread pool.
+//
+// Built on first use by pagedjax/ops/cpu_attention.py (g++ -O3 -march=native).
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v8u __attribute__((vector_size(32), aligned(4)));  // unaligned loads/stores
+
+inline v8 Load(const float* p) { return *reinterpret_cast<const v8u*>(p); }
+inline void Store(float* p, v8 x) { *reinterpret_cast<v8u*>(p) = x; }
+inline float Sum(v8 x) {
+  float s = 0.0f;
+  for (int i = 0; i < 8; ++i) s += x[i];
+  return s;
+}
+
+typedef int32_t i8v __attribute__((vector_size(32)));
+
+// exp(x) of 8 floats, x <= 0 (scores minus their max): 2^n * e^r with n = round(x / ln 2),
+// r = x - n ln 2 in [-ln2/2, ln2/2] (ln 2 split in two for exactness), e^r by the degree-6
+// Taylor polynomial (relative error < 2e-7 on that interval); x < -87 gives 0.
+inline v8 Exp(v8 x) {
+  const v8 lo = x < -87.0f ? v8{} - 1.0f : v8{};  // all ones where exp underflows
+  x = x < -87.0f ? v8{} - 87.0f : x;
+  const v8 n = __builtin_convertvector(
+      __builtin_convertvector(x * 1.44269504088896341f + (x < 0 ? -0.5f : 0.5f), i8v), v8);
+  const v8 r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  v8 e = 1.0f + r * (1.0f + r * (0.5f + r * (1.0f / 6 + r * (1.0f / 24 + r * (1.0f / 120 + r * (1.0f / 720))))));
+  const i8v bits = reinterpret_cast<const i8v&>(e) + (__builtin_convertvector(n, i8v) << 23);
+  e = reinterpret_cast<const v8&>(bits);
+  return lo != 0 ? v8{} : e;
+}
+
+struct Problem {
+  const float* q;            // [T, N, H]
+  const void* k;             // caches [L, NB, BS, K, H]
+  const void* v;
+  ffi::DataType dtype;       // of the caches
+  const float* lut;          // float8: the value of each byte
+  int64_t layer;
+  const int32_t* seq_lens;   // [S] context length after the step
+  const int32_t* qsl;        // [S + 1] query_start_loc
+  const int32_t* tables;     // [S, B]
+  float* out;                // [T, N, H]
+  int64_t T, S, N, H, K, G, B, NB, BS;
+  float score_scale;         // sm_scale * k_scale
+  float value_scale;         // v_scale
+};
+
+// A work item: queries [q0, q0 + nq) of sequence s (indices within the sequence's queries).
+struct Item {
+  int64_t s, q0, nq;
+};
+
+// The first `rows` rows ([rows, K * H]) of a cache block as float32: in place for a float32
+// cache, else converted into `tmp` (bfloat16 by bit shift, float8 through the byte table).
+const float* BlockRows(const Problem& p, const void* cache, int64_t page, int64_t rows,
+                       float* tmp) {
+  const int64_t KH = p.K * p.H;
+  const int64_t start = (p.layer * p.NB + page) * p.BS * KH, n = rows * KH;
+  switch (p.dtype) {
+    case ffi::DataType::F32:
+      return static_cast<const float*>(cache) + start;
+    case ffi::DataType::BF16: {
+      const uint16_t* src = static_cast<const uint16_t*>(cache) + start;
+      for (int64_t i = 0; i < n; ++i) {
+        uint32_t bits = static_cast<uint32_t>(src[i]) << 16;
+        std::memcpy(&tmp[i], &bits, 4);
+      }
+      return tmp;
+    }
+    default: {
+      const uint8_t* src = static_cast<const uint8_t*>(cache) + start;
+      for (int64_t i = 0; i < n; ++i) tmp[i] = p.lut[src[i]];
+      return tmp;
+    }
+  }
+}
+
+// One item. Query i of the sequence sits at position len - qlen + i and attends to positions
+// [0, that]; the item reads the context up to its last query's position. Scores, weights and
+// accumulators are kept per row r = qi * N + n. Head dim in 8-float vectors: a compile-time
+// HV lets the compiler keep a query (pass 1) or an accumulator (pass 2) in registers; HV = 0
+// is the generic path (any head dim, scalar loops).
+template <int HV>
+void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch) {
+  const int64_t H = HV ? HV * 8 : p.H, N = p.N, G = p.G, KH = p.K * H, BS = p.BS;
+  const int64_t s = it.s, nq = it.nq;
+  const int64_t qlen = p.qsl[s + 1] - p.qsl[s];
+  const int64_t first_pos = p.seq_lens[s] - qlen + it.q0;  // position of the item's query 0
+  const int64_t ctx = std::min<int64_t>(first_pos + nq, p.B * BS);  // positions read
+  float* out = p.out + (p.qsl[s] + it.q0) * N * H;
+  if (first_pos < 0 || ctx <= 0) {  // inconsistent metadata: no attention, zeros
+    std::fill(out, out + nq * N * H, 0.0f);
+    return;
+  }
+  const int64_t R = nq * N;
+  scratch.resize(R * ctx + R * H + R + BS * KH);
+  float* scores = scratch.data();  // [R, ctx]
+  float* acc = scores + R * ctx;   // [R, H]
+  float* inv = acc + R * H;        // [R]
+  float* tmp = inv + R;            // [BS, K * H] a converted block
+  const float* q = p.q + (p.qsl[s] + it.q0) * N * H;
+  const int32_t* table = p.tables + s * p.B;
+  const int64_t num_blocks = (ctx + BS - 1) / BS;
+  auto page_of = [&](int64_t j) { return std::clamp<int64_t>(table[j], 0, p.NB - 1); };
+  auto visible = [&](int64_t qi) { return std::min(first_pos + qi + 1, ctx); };  // positions
+  // Blocks lie at random places, beyond the reach of the hardware prefetcher: ask for the
+  // next block's rows while this one is computed.
+  const int64_t elem_bytes =
+      p.dtype == ffi::DataType::F32 ? 4 : p.dtype == ffi::DataType::BF16 ? 2 : 1;
+  auto prefetch = [&](const void* cache, int64_t j) {
+    if (j >= num_blocks) return;
+    const int64_t rows = std::min(BS, ctx - j * BS);
+    const char* base = static_cast<const char*>(cache) +
+                       (p.layer * p.NB + page_of(j)) * BS * KH * elem_bytes;
+    for (int64_t b = 0; b < rows * KH * elem_bytes; b += 64) __builtin_prefetch(base + b);
+  };
+
+  // Pass 1: scores[r, pos] = (q_r . k_pos[n / G]) * scale for the positions r sees.
+  for (int64_t j = 0; j < num_blocks; ++j) {
+    prefetch(p.k, j + 1);
+    const float* kb = BlockRows(p, p.k, page_of(j), std::min(BS, ctx - j * BS), tmp);
+    for (int64_t qi = 0; qi < nq; ++qi) {
+      const int64_t rows = std::min(BS, visible(qi) - j * BS);
+      for (int64_t n = 0; n < N; ++n) {
+        const float* kn = kb + (n / G) * H;
+        const float* qn = q + (qi * N + n) * H;
+        float* sn = scores + (qi * N + n) * ctx + j * BS;
+        if constexpr (HV > 0) {
+          v8 qv[HV];
+          for (int i = 0; i < HV; ++i) qv[i] = Load(qn + 8 * i) * p.score_scale;
+          for (int64_t t = 0; t < rows; ++t) {
+            const float* kr = kn + t * KH;
+            v8 d0 = qv[0] * Load(kr), d1 = {};
+            for (int i = 1; i < HV; ++i) {
+              if (i % 2) d1 += qv[i] * Load(kr + 8 * i);
+              else d0 += qv[i] * Load(kr + 8 * i);
+            }
+            sn[t] = Sum(d0 + d1);
+          }
+        } else {
+          for (int64_t t = 0; t < rows; ++t) {
+            float dot = 0.0f;
+            for (int64_t h = 0; h < H; ++h) dot += qn[h] * kn[t * KH + h];
+            sn[t] = dot * p.score_scale;
+          }
+        }
+      }
+    }
+  }
+  // Softmax weights, unnormalised: exp(score - max); inv[r] = v_scale / their sum.
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t len = visible(r / N);
+    float* sr = scores + r * ctx;
+    float mx = sr[0];
+    for (int64_t i = 1; i < len; ++i) mx = std::max(mx, sr[i]);
+    v8 sum8 = {};
+    int64_t i = 0;
+    for (; i + 8 <= len; i += 8) {
+      const v8 e = Exp(Load(sr + i) - mx);
+      Store(sr + i, e);
+      sum8 += e;
+    }
+    float sum = Sum(sum8);
+    for (; i < len; ++i) {
+      sr[i] = std::exp(sr[i] - mx);
+      sum += sr[i];
+    }
+    inv[r] = p.value_scale / sum;
+  }
+  // Pass 2: acc[r] = sum_pos w[r, pos] v_pos[n / G].
+  std::fill(acc, acc + R * H, 0.0f);
+  for (int64_t j = 0; j < num_blocks; ++j) {
+    prefetch(p.v, j + 1);
+    const float* vb = BlockRows(p, p.v, page_of(j), std::min(BS, ctx - j * BS), tmp);
+    for (int64_t qi = 0; qi < nq; ++qi) {
+      const int64_t rows = std::min(BS, visible(qi) - j * BS);
+      for (int64_t n = 0; n < N; ++n) {
+        const float* vn = vb + (n / G) * H;
+        const float* wr = scores + (qi * N + n) * ctx + j * BS;
+        float* ar = acc + (qi * N + n) * H;
+        if constexpr (HV > 0) {
+          v8 a[HV];
+          for (int i = 0; i < HV; ++i) a[i] = Load(ar + 8 * i);
+          for (int64_t t = 0; t < rows; ++t) {
+            const float w = wr[t];
+            for (int i = 0; i < HV; ++i) a[i] += w * Load(vn + t * KH + 8 * i);
+          }
+          for (int i = 0; i < HV; ++i) Store(ar + 8 * i, a[i]);
+        } else {
+          for (int64_t t = 0; t < rows; ++t)
+            for (int64_t h = 0; h < H; ++h) ar[h] += wr[t] * vn[t * KH + h];
+        }
+      }
+    }
+  }
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t h = 0; h < H; ++h) out[r * H + h] = acc[r * H + h] * inv[r];
+}
+
+using ItemFn = void (*)(const Problem&, const Item&, std::vector<float>&);
+
+ItemFn PickItemFn(int64_t H) {
+  switch (H) {
+    case 16: return RunItem<2>;
+    case 32: return RunItem<4>;
+    case 64: return RunItem<8>;
+    case 80: return RunItem<10>;
+    case 96: return RunItem<12>;
+    case 128: return RunItem<16>;
+    case 256: return RunItem<32>;
+    default: return RunItem<0>;
+  }
+}
+
+// Items handed out by an atomic counter to the calling thread and to tasks on XLA's pool.
+// A task that starts after all items are taken exits without touching the buffers, so the
+// caller never waits on a task that has not started (a pool of one thread cannot deadlock).
+struct Shared {
+  std::vector<Item> items;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+  std::mutex mu;
+  std::condition_variable cv;
+};
+
+void Drain(const Problem& p, ItemFn run, Shared& sh) {
+  thread_local std::vector<float> scratch;
+  const int64_t total = sh.items.size();
+  for (int64_t i; (i = sh.next.fetch_add(1)) < total;) {
+    run(p, sh.items[i], scratch);
+    if (sh.done.fetch_add(1) + 1 == total) {
+      std::lock_guard<std::mutex> lock(sh.mu);
+      sh.cv.notify_all();
+    }
+  }
+}
+
+bool IsFloat8(ffi::DataType t) {
+  return t == ffi::DataType::F8E4M3FN || t == ffi::DataType::F8E5M2;
+}
+
+ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_cache,
+                          ffi::AnyBuffer v_cache, ffi::Buffer<ffi::S32> layer,
+                          ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> query_start_loc,
+                          ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::F32> scales,
+                          ffi::Buffer<ffi::F32> fp8_lut, ffi::ResultBuffer<ffi::F32> out,
+                          float sm_scale, int64_t query_tile) {
+  auto qd = q.dimensions();
+  auto cd = k_cache.dimensions();
+  if (qd.size() != 3 || cd.size() != 5 || block_tables.dimensions().size() != 2)
+    return ffi::Error::InvalidArgument("paged attention: bad ranks");
+  const ffi::DataType dt = k_cache.element_type();
+  if (dt != v_cache.element_type() ||
+      !(dt == ffi::DataType::F32 || dt == ffi::DataType::BF16 || IsFloat8(dt)))
+    return ffi::Error::InvalidArgument("paged attention: unsupported cache dtype");
+  Problem p;
+  p.T = qd[0];
+  p.N = qd[1];
+  p.H = qd[2];
+  p.NB = cd[1];
+  p.BS = cd[2];
+  p.K = cd[3];
+  p.S = seq_lens.dimensions()[0];
+  if (cd[4] != p.H || p.N % p.K || query_start_loc.dimensions()[0] != p.S + 1 ||
+      block_tables.dimensions()[0] != p.S)
+    return ffi::Error::InvalidArgument("paged attention: shapes disagree");
+  p.G = p.N / p.K;
+  p.B = block_tables.dimensions()[1];
+  p.layer = layer.typed_data()[0];
+  if (p.layer < 0 || p.layer >= cd[0])
+    return ffi::Error::InvalidArgument("paged attention: layer out of range");
+  p.dtype = dt;
+  p.lut = fp8_lut.typed_data();
+  p.k = k_cache.untyped_data();
+  p.v = v_cache.untyped_data();
+  p.q = q.typed_data();
+  p.seq_lens = seq_lens.typed_data();
+  p.qsl = query_start_loc.typed_data();
+  p.tables = block_tables.typed_data();
+  p.out = out->typed_data();
+  p.score_scale = sm_scale * scales.typed_data()[0];
+  p.value_scale = scales.typed_data()[1];
+
+  // Rows outside every sequence's queries (padding tokens) are zero.
+  const int64_t NH = p.N * p.H;
+  int64_t covered = 0;
+  auto shared = std::make_shared<Shared>();
+  for (int64_t s = 0; s < p.S; ++s) {
+    const int64_t lo = std::clamp<int64_t>(p.qsl[s], covered, p.T);
+    const int64_t hi = std::clamp<int64_t>(p.qsl[s + 1], lo, p.T);
+    std::fill(p.out + covered * NH, p.out + lo * NH, 0.0f);
+    if (lo != p.qsl[s] || hi != p.qsl[s + 1])
+      return ffi::Error::InvalidArgument("paged attention: query_start_loc out of order");
+    for (int64_t q0 = 0; q0 < hi - lo; q0 += query_tile)
+      shared->items.push_back({s, q0, std::min(query_tile, hi - lo - q0)});
+    covered = hi;
+  }
+  std::fill(p.out + covered * NH, p.out + p.T * NH, 0.0f);
+  if (shared->items.empty()) return ffi::Error::Success();
+  const ItemFn run = PickItemFn(p.H);
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), shared->items.size()) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([shared, p, run] { Drain(p, run, *shared); });
+  Drain(p, run, *shared);
+  std::unique_lock<std::mutex> lock(shared->mu);
+  shared->cv.wait(lock, [&] { return shared->done.load() == (int64_t)shared->items.size(); });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedAttentionCpu, PagedAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // q [T, N, H]
+                                  .Arg<ffi::AnyBuffer>()          // k_cache
+                                  .Arg<ffi::AnyBuffer>()          // v_cache
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer []
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // seq_lens [S]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // query_start_loc [S + 1]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // block_tables [S, B]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // scales [2]: k, v
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // fp8_lut [256]
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // out [T, N, H]
+                                  .Attr<float>("sm_scale")
+                                  .Attr<int64_t>("query_tile"));
