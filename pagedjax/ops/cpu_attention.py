@@ -39,7 +39,6 @@ QUERY_TILE = 16  # queries of one sequence per work item (they share each block 
 CXX_FLAGS = (
     "-O3",
     "-march=native",
-    "-fopenmp-simd",
     "-fno-math-errno",
     "-std=c++17",
     "-shared",
