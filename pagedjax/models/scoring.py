@@ -55,7 +55,7 @@ def token_logprobs(
         token_ids: [n] the text, n >= 2 and at most the model's context.
         kv_cache_dtype: "auto" (the params' dtype) or a float8 name of `ops.kv_cache`.
         chunk_size: tokens per prefill chunk (a multiple of 16).
-        block_size: KV block size; attention_backend: "xla" or "reference".
+        block_size: KV block size; attention_backend: "xla", "cpu" or "reference".
 
     Raises:
         ValueError: fewer than 2 tokens, or more than `max_position_embeddings`.
