@@ -449,6 +449,9 @@ def converted_gguf_source(source: ModelSource, download_dir: str | None = None) 
     """The orbax conversion of a GGUF file, writing it first if it is not there yet."""
     out = cache_root(download_dir) / "converted" / f"{source.name}-{_file_fingerprint(source.path)}"
     if (out / _CONVERTED_MARKER).exists():
+        if not (out / "tokenizer_config.json").exists():  # a conversion made without one
+            with contextlib.suppress(Exception):
+                load_tokenizer(source).save_pretrained(str(out))
         return ModelSource("orbax", str(out))
     logger.info("converting %s once into %s (later loads are fast)", source.path, out)
     cfg = load_arch_config(source)
@@ -609,8 +612,21 @@ def load_tokenizer(source: ModelSource, tokenizer: str | None = None):
             raise ValueError(f"tokenizer {tokenizer!r} is not a local folder or .gguf file")
         return AutoTokenizer.from_pretrained(str(tok_path))
     if source.kind == "gguf":
+        if importlib.util.find_spec("torch") is None:
+            # transformers reads a GGUF file's metadata through a module that imports torch
+            raise ValueError(
+                f"reading the tokenizer of {source.path!r} needs torch (transformers' GGUF "
+                "reader imports it): pip install torch, or pass tokenizer=<HF tokenizer folder>"
+            )
         p = Path(source.path)
         return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+    folder = Path(source.path)
+    if (folder / _CONVERTED_MARKER).exists() and not (folder / "tokenizer_config.json").exists():
+        raise ValueError(
+            f"the conversion {source.path!r} has no tokenizer: its GGUF file's could not be read "
+            "(transformers needs torch for that; with torch installed the next load adds it), "
+            "or pass tokenizer=<HF tokenizer folder>"
+        )
     try:
         return AutoTokenizer.from_pretrained(source.path)
     except (OSError, ValueError) as e:
