@@ -165,10 +165,11 @@ class LLMEngine:
             "kv_cache_bytes_per_device": kv,
         }
         logger.info(
-            "layout: mesh %s; per device: params %s MiB, KV cache %s MiB",
+            "layout: mesh %s; per device: params %s MiB, KV cache %s MiB; attention %s",
             dict(mesh.shape),
             {d: round(b / 2**20, 1) for d, b in params.items()},
             {d: round(b / 2**20, 1) for d, b in kv.items()},
+            self.config.model_config.attention_backend,
         )
 
     @classmethod
