@@ -392,9 +392,9 @@ class EngineArgs:
         one_device = self.tensor_parallel_size * self.pipeline_parallel_size == 1 and (
             self.data_parallel_size == 1 and self.num_processes == 1
         )
-        if backend == "cpu":
-            from pagedjax.ops import cpu_attention
+        from pagedjax.ops import cpu_attention
 
+        if backend == "cpu":
             if not (on_cpu and one_device):
                 raise ValueError(
                     "attention_backend 'cpu' runs on one CPU device (no tensor, pipeline or "
@@ -406,11 +406,8 @@ class EngineArgs:
                 )
         if backend == "auto":
             backend = "xla" if on_cpu else "pallas"
-            if on_cpu and one_device:
-                from pagedjax.ops import cpu_attention
-
-                if cpu_attention.available():
-                    backend = "cpu"
+            if on_cpu and one_device and cpu_attention.available():
+                backend = "cpu"
             if backend == "pallas":
                 from pagedjax.ops.paged_attention_pallas import unsupported_reason
 

@@ -233,8 +233,6 @@ def test_abort_frees_blocks_mid_run(llm16, prompts8):
 def test_step_timing_splits_the_step(llm16, prompts8):
     """`last_step_timing`: the parts are non-negative and add up to at most the whole step;
     the device part of a step that ran is positive and names its bucket."""
-    from pagedjax import SamplingParams
-
     eng = llm16.llm_engine
     eng.add_request("timing", {"prompt_token_ids": prompts8[0]}, SamplingParams(max_tokens=2))
     while eng.has_unfinished_requests():

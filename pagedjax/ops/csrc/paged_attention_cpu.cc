@@ -149,38 +149,45 @@ void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch) {
     for (int64_t b = 0; b < rows * KH * elem_bytes; b += 64) __builtin_prefetch(base + b);
   };
 
-  // Pass 1: scores[r, pos] = (q_r . k_pos[n / G]) * scale for the positions r sees.
-  for (int64_t j = 0; j < num_blocks; ++j) {
-    prefetch(p.k, j + 1);
-    const float* kb = BlockRows(p, p.k, page_of(j), std::min(BS, ctx - j * BS), tmp);
-    for (int64_t qi = 0; qi < nq; ++qi) {
-      const int64_t rows = std::min(BS, visible(qi) - j * BS);
-      for (int64_t n = 0; n < N; ++n) {
-        const float* kn = kb + (n / G) * H;
-        const float* qn = q + (qi * N + n) * H;
-        float* sn = scores + (qi * N + n) * ctx + j * BS;
-        if constexpr (HV > 0) {
-          v8 qv[HV];
-          for (int i = 0; i < HV; ++i) qv[i] = Load(qn + 8 * i) * p.score_scale;
-          for (int64_t t = 0; t < rows; ++t) {
-            const float* kr = kn + t * KH;
-            v8 d0 = qv[0] * Load(kr), d1 = {};
-            for (int i = 1; i < HV; ++i) {
-              if (i % 2) d1 += qv[i] * Load(kr + 8 * i);
-              else d0 += qv[i] * Load(kr + 8 * i);
-            }
-            sn[t] = Sum(d0 + d1);
-          }
-        } else {
-          for (int64_t t = 0; t < rows; ++t) {
-            float dot = 0.0f;
-            for (int64_t h = 0; h < H; ++h) dot += qn[h] * kn[t * KH + h];
-            sn[t] = dot * p.score_scale;
-          }
-        }
+  // Walks the item's blocks of one cache: visit(r, rows, kv, pos0) for each row r = qi * N + n
+  // that sees `rows` > 0 positions of the block starting at position pos0, kv pointing at the
+  // block's first row of head n's KV head (rows K * H floats apart).
+  auto for_each_block = [&](const void* cache, auto&& visit) {
+    for (int64_t j = 0; j < num_blocks; ++j) {
+      prefetch(cache, j + 1);
+      const float* block = BlockRows(p, cache, page_of(j), std::min(BS, ctx - j * BS), tmp);
+      for (int64_t qi = 0; qi < nq; ++qi) {
+        const int64_t rows = std::min(BS, visible(qi) - j * BS);
+        if (rows <= 0) continue;
+        for (int64_t n = 0; n < N; ++n) visit(qi * N + n, rows, block + (n / G) * H, j * BS);
       }
     }
-  }
+  };
+
+  // Pass 1: scores[r, pos] = (q_r . k_pos[n / G]) * scale for the positions r sees.
+  for_each_block(p.k, [&](int64_t r, int64_t rows, const float* kn, int64_t pos0) {
+    const float* qr = q + r * H;
+    float* sr = scores + r * ctx + pos0;
+    if constexpr (HV > 0) {
+      v8 qv[HV];
+      for (int i = 0; i < HV; ++i) qv[i] = Load(qr + 8 * i) * p.score_scale;
+      for (int64_t t = 0; t < rows; ++t) {
+        const float* kr = kn + t * KH;
+        v8 d0 = qv[0] * Load(kr), d1 = {};
+        for (int i = 1; i < HV; ++i) {
+          if (i % 2) d1 += qv[i] * Load(kr + 8 * i);
+          else d0 += qv[i] * Load(kr + 8 * i);
+        }
+        sr[t] = Sum(d0 + d1);
+      }
+    } else {
+      for (int64_t t = 0; t < rows; ++t) {
+        float dot = 0.0f;
+        for (int64_t h = 0; h < H; ++h) dot += qr[h] * kn[t * KH + h];
+        sr[t] = dot * p.score_scale;
+      }
+    }
+  });
   // Softmax weights, unnormalised: exp(score - max); inv[r] = v_scale / their sum.
   for (int64_t r = 0; r < R; ++r) {
     const int64_t len = visible(r / N);
@@ -203,30 +210,22 @@ void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch) {
   }
   // Pass 2: acc[r] = sum_pos w[r, pos] v_pos[n / G].
   std::fill(acc, acc + R * H, 0.0f);
-  for (int64_t j = 0; j < num_blocks; ++j) {
-    prefetch(p.v, j + 1);
-    const float* vb = BlockRows(p, p.v, page_of(j), std::min(BS, ctx - j * BS), tmp);
-    for (int64_t qi = 0; qi < nq; ++qi) {
-      const int64_t rows = std::min(BS, visible(qi) - j * BS);
-      for (int64_t n = 0; n < N; ++n) {
-        const float* vn = vb + (n / G) * H;
-        const float* wr = scores + (qi * N + n) * ctx + j * BS;
-        float* ar = acc + (qi * N + n) * H;
-        if constexpr (HV > 0) {
-          v8 a[HV];
-          for (int i = 0; i < HV; ++i) a[i] = Load(ar + 8 * i);
-          for (int64_t t = 0; t < rows; ++t) {
-            const float w = wr[t];
-            for (int i = 0; i < HV; ++i) a[i] += w * Load(vn + t * KH + 8 * i);
-          }
-          for (int i = 0; i < HV; ++i) Store(ar + 8 * i, a[i]);
-        } else {
-          for (int64_t t = 0; t < rows; ++t)
-            for (int64_t h = 0; h < H; ++h) ar[h] += wr[t] * vn[t * KH + h];
-        }
+  for_each_block(p.v, [&](int64_t r, int64_t rows, const float* vn, int64_t pos0) {
+    const float* wr = scores + r * ctx + pos0;
+    float* ar = acc + r * H;
+    if constexpr (HV > 0) {
+      v8 a[HV];
+      for (int i = 0; i < HV; ++i) a[i] = Load(ar + 8 * i);
+      for (int64_t t = 0; t < rows; ++t) {
+        const float w = wr[t];
+        for (int i = 0; i < HV; ++i) a[i] += w * Load(vn + t * KH + 8 * i);
       }
+      for (int i = 0; i < HV; ++i) Store(ar + 8 * i, a[i]);
+    } else {
+      for (int64_t t = 0; t < rows; ++t)
+        for (int64_t h = 0; h < H; ++h) ar[h] += wr[t] * vn[t * KH + h];
     }
-  }
+  });
   for (int64_t r = 0; r < R; ++r)
     for (int64_t h = 0; h < H; ++h) out[r * H + h] = acc[r * H + h] * inv[r];
 }
