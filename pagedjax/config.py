@@ -392,7 +392,7 @@ class EngineArgs:
         one_device = self.tensor_parallel_size * self.pipeline_parallel_size == 1 and (
             self.data_parallel_size == 1 and self.num_processes == 1
         )
-        from pagedjax.ops import cpu_attention
+        from pagedjax.ops import cpu_kernels
 
         if backend == "cpu":
             if not (on_cpu and one_device):
@@ -400,13 +400,13 @@ class EngineArgs:
                     "attention_backend 'cpu' runs on one CPU device (no tensor, pipeline or "
                     "data parallelism, one process); use 'xla'"
                 )
-            if not cpu_attention.available():
+            if not cpu_kernels.available():
                 raise ValueError(
-                    f"attention_backend 'cpu' is unavailable: {cpu_attention.unavailable_reason()}"
+                    f"attention_backend 'cpu' is unavailable: {cpu_kernels.unavailable_reason()}"
                 )
         if backend == "auto":
             backend = "xla" if on_cpu else "pallas"
-            if on_cpu and one_device and cpu_attention.available():
+            if on_cpu and one_device and cpu_kernels.available():
                 backend = "cpu"
             if backend == "pallas":
                 from pagedjax.ops.paged_attention_pallas import unsupported_reason

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from pagedjax.engine.input_batch import BatchBuilder, SeqInput
-from pagedjax.ops import cpu_attention
+from pagedjax.ops import cpu_attention, cpu_kernels
 from pagedjax.ops.attention import AttentionMetadata, ragged_paged_attention
 
 HEAD_DIM = 16
@@ -218,4 +218,4 @@ def test_native_kernel_reports_a_failed_build(monkeypatch, tmp_path):
     """No compiler: `build` names it; the engine's "auto" backend then keeps "xla"."""
     monkeypatch.setenv("PAGEDJAX_CACHE_DIR", str(tmp_path))
     with pytest.raises(RuntimeError, match="no C\\+\\+ compiler 'no-such-cxx'"):
-        cpu_attention.build("no-such-cxx")
+        cpu_kernels.build("no-such-cxx")

@@ -39,9 +39,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pagedjax.ops import cpu_linear
 from pagedjax.ops.attention import AttentionMetadata, ragged_paged_attention
 from pagedjax.ops.kv_cache import KVCache, is_quantized_cache, write_kv
-from pagedjax.ops.quant import linear
+from pagedjax.ops.quant import LINEAR_WEIGHTS
+from pagedjax.ops.quant import linear as quant_linear
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -279,7 +281,9 @@ def forward(
         positions: [T] int32 absolute positions (RoPE and the causal mask).
         md: attention metadata for the step (slot mapping, block tables, sequence lengths).
         cfg: the architecture (static).
-        attention_backend: "xla", "reference" or "pallas" (static).
+        attention_backend: "xla", "cpu", "reference" or "pallas" (static). "cpu" also runs
+            the float32 linear layers of steps of up to `cpu_linear.MAX_TOKENS` tokens
+            through the native CPU matmul.
 
     Returns:
         hidden states after the final norm [T, D] in the params dtype, and the updated cache.
@@ -310,13 +314,30 @@ def decoder_layers(
     T = h.shape[0]
     fp8_cache = is_quantized_cache(kv_cache[0].dtype)
 
+    # With the "cpu" backend, steps of up to cpu_linear.MAX_TOKENS tokens multiply float32
+    # weights with the native kernel, which reads layer i of the stacked [L, in, out] array in
+    # place; those weights stay out of the scan's sliced inputs.
+    use_native = attention_backend == "cpu" and T <= cpu_linear.MAX_TOKENS
+    native = {
+        name: layers[name]
+        for name in LINEAR_WEIGHTS
+        if use_native and cpu_linear.supports(layers[name])
+    }
+    scanned = {name: w for name, w in layers.items() if name not in native}
+
     def layer(carry, xs):
         h, (k_cache, v_cache) = carry
         w, layer_idx = xs
+
+        def linear(x, name):
+            if name in native:
+                return cpu_linear.matmul(x, native[name], layer_idx).astype(x.dtype)
+            return quant_linear(x, w[name])
+
         x = rms_norm(h, w["input_norm"], cfg.rms_norm_eps)
-        q = linear(x, w["q_proj"])  # [T, N*H]
-        k = linear(x, w["k_proj"])  # [T, K*H]
-        v = linear(x, w["v_proj"])
+        q = linear(x, "q_proj")  # [T, N*H]
+        k = linear(x, "k_proj")  # [T, K*H]
+        v = linear(x, "v_proj")
         if cfg.attention_bias:
             q, k, v = q + w["q_bias"], k + w["k_bias"], v + w["v_bias"]
         q = apply_rope(q.reshape(T, N, H), positions, inv_freq)  # [T, N, H]
@@ -340,15 +361,15 @@ def decoder_layers(
             k_scale=k_scale,
             v_scale=v_scale,
         )  # [T, N, H]
-        h = h + linear(attn.reshape(T, N * H).astype(h.dtype), w["o_proj"])
+        h = h + linear(attn.reshape(T, N * H).astype(h.dtype), "o_proj")
         x = rms_norm(h, w["post_attn_norm"], cfg.rms_norm_eps)
-        mlp = jax.nn.silu(linear(x, w["gate_proj"])) * linear(x, w["up_proj"])  # [T, F]
-        h = h + linear(mlp, w["down_proj"])
+        mlp = jax.nn.silu(linear(x, "gate_proj")) * linear(x, "up_proj")  # [T, F]
+        h = h + linear(mlp, "down_proj")
         return (h, (k_cache, v_cache)), None
 
     num_layers = jax.tree.leaves(layers["input_norm"])[0].shape[0]
     layer_ids = jnp.arange(num_layers, dtype=jnp.int32)
-    (h, kv_cache), _ = jax.lax.scan(layer, (h, kv_cache), (layers, layer_ids))
+    (h, kv_cache), _ = jax.lax.scan(layer, (h, kv_cache), (scanned, layer_ids))
     return h, kv_cache
 
 

@@ -1,0 +1,234 @@
+// Dense float32 matmul y = x @ W[layer] on CPU, as an XLA FFI custom call.
+//
+// Why: inside the model's `lax.scan` over layers, XLA's CPU backend copies each layer's
+// weight matrix out of the stacked [L, in, out] array (a dynamic-slice) before every dot; for
+// the small-M matmuls of decode steps that copy costs about half as much as the dot itself.
+// This kernel takes the whole stacked array and the layer index and reads the layer's rows in
+// place. It also serves the LM head (W = the tied embedding matrix, read transposed).
+//
+// Algorithm: the blocked GEMM of Goto & van de Geijn ("Anatomy of high-performance matrix
+// multiplication", ACM TOMS 2008) in the loop order of BLIS (Van Zee & van de Geijn, 2015),
+// reduced to what these shapes need:
+//   - x [M, K] is packed once per call into micro-panels of MR = 6 rows, k-major
+//     (xp[m / 6][k][6], zero rows past M), so the micro-kernel reads it as one stream;
+//   - a work item is up to NC = 64 output columns (fewer when W is narrow, so that each
+//     thread gets about eight); for each KC = 256 slice of K it packs W[k0 : k0 + KC, cols]
+//     into micro-panels of NR = 16 columns (16 KB each, they stay in L1 while every row
+//     block of x passes over them), then runs the micro-kernel;
+//   - the micro-kernel keeps a 6 x 16 block of y in twelve 8-float registers and does
+//     12 fused multiply-adds per k from one 16-float row of W and six broadcasts of x.
+// Work items are spread over XLA's intra-op thread pool.
+//
+// Built on first use by pagedjax/ops/cpu_kernels.py (g++ -O3 -march=native).
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v8u __attribute__((vector_size(32), aligned(4)));  // unaligned loads/stores
+
+inline v8 LoadU(const float* p) { return *reinterpret_cast<const v8u*>(p); }
+inline void StoreU(float* p, v8 x) { *reinterpret_cast<v8u*>(p) = x; }
+
+constexpr int64_t MR = 6;    // rows of x per micro-kernel call
+constexpr int64_t NR = 16;   // columns of W per micro-panel
+constexpr int64_t KC = 256;  // depth of one packed slice of W
+constexpr int64_t NP = 4;    // micro-panels per work item at most (NC = NP * NR columns)
+constexpr int64_t kPrefetchRows = 8;  // rows of W ahead that PackW asks for
+
+// y[0:R, 0:16] (+)= xp[0:kc][0:R] @ wp[0:kc][0:16]; ldy is y's row stride.
+template <int R>
+void Micro(const float* __restrict xp, const float* __restrict wp, int64_t kc, float* __restrict y,
+           int64_t ldy, bool accumulate) {
+  v8 acc0[R], acc1[R];
+  for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = v8{};
+  for (int64_t k = 0; k < kc; ++k) {
+    const v8 w0 = *reinterpret_cast<const v8*>(wp + NR * k);
+    const v8 w1 = *reinterpret_cast<const v8*>(wp + NR * k + 8);
+    for (int r = 0; r < R; ++r) {
+      const float s = xp[MR * k + r];
+      const v8 xs = {s, s, s, s, s, s, s, s};
+      acc0[r] += xs * w0;
+      acc1[r] += xs * w1;
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float* row = y + r * ldy;
+    if (accumulate) {
+      acc0[r] += LoadU(row);
+      acc1[r] += LoadU(row + 8);
+    }
+    StoreU(row, acc0[r]);
+    StoreU(row + 8, acc1[r]);
+  }
+}
+
+typedef void (*MicroFn)(const float*, const float*, int64_t, float*, int64_t, bool);
+constexpr MicroFn kMicro[MR + 1] = {nullptr,  Micro<1>, Micro<2>, Micro<3>,
+                                    Micro<4>, Micro<5>, Micro<6>};
+
+struct Problem {
+  const float* x;  // [M, K]
+  const float* w;  // this layer's [K, N], or [N, K] when transposed
+  float* y;        // [M, N]
+  int64_t M, K, N;
+  bool transposed;
+  int64_t item_cols;      // output columns per work item (a multiple of NR, <= NP * NR)
+  std::vector<float> xp;  // packed x: [ceil(M / MR)][K][MR]
+};
+
+void PackX(Problem& p) {
+  const int64_t blocks = (p.M + MR - 1) / MR;
+  p.xp.assign(blocks * MR * p.K, 0.0f);
+  for (int64_t b = 0; b < blocks; ++b) {
+    float* dst = p.xp.data() + b * MR * p.K;
+    const int64_t rows = std::min(MR, p.M - b * MR);
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* src = p.x + (b * MR + r) * p.K;
+      for (int64_t k = 0; k < p.K; ++k) dst[k * MR + r] = src[k];
+    }
+  }
+}
+
+// Packs W[k0 : k0 + kc, j0 : j0 + cols] into micro-panels wp[panel][k][NR] (zero columns
+// past `cols`).
+void PackW(const Problem& p, int64_t k0, int64_t kc, int64_t j0, int64_t cols, float* wp) {
+  const int64_t panels = (cols + NR - 1) / NR;
+  for (int64_t q = 0; q < panels; ++q) {
+    float* dst = wp + q * KC * NR;
+    const int64_t c0 = j0 + q * NR;
+    const int64_t width = std::min(NR, cols - q * NR);
+    if (!p.transposed) {
+      for (int64_t k = 0; k < kc; ++k) {
+        const float* src = p.w + (k0 + k) * p.N + c0;
+        // Rows are a page or more apart: the hardware prefetcher does not follow them.
+        __builtin_prefetch(src + kPrefetchRows * p.N);
+        if (width == NR) {
+          std::memcpy(dst + k * NR, src, NR * sizeof(float));
+        } else {
+          std::fill(dst + k * NR, dst + (k + 1) * NR, 0.0f);
+          std::memcpy(dst + k * NR, src, width * sizeof(float));
+        }
+      }
+    } else {  // W stored [N, K]: column c of the layer is row c, contiguous in k
+      if (width < NR) std::fill(dst, dst + kc * NR, 0.0f);
+      for (int64_t c = 0; c < width; ++c) {
+        const float* src = p.w + (c0 + c) * p.K + k0;
+        for (int64_t k = 0; k < kc; ++k) dst[k * NR + c] = src[k];
+      }
+    }
+  }
+}
+
+// Output columns [j0, j0 + cols), cols <= item_cols.
+void RunItem(const Problem& p, int64_t j0, int64_t cols, float* wp) {
+  alignas(32) float tile[MR * NR];  // a partial micro-panel's output, before its copy to y
+  const int64_t panels = (cols + NR - 1) / NR;
+  for (int64_t k0 = 0; k0 < p.K; k0 += KC) {
+    const int64_t kc = std::min(KC, p.K - k0);
+    PackW(p, k0, kc, j0, cols, wp);
+    for (int64_t q = 0; q < panels; ++q) {
+      const int64_t c0 = j0 + q * NR;
+      const int64_t width = std::min(NR, cols - q * NR);
+      const float* panel = wp + q * KC * NR;
+      for (int64_t m0 = 0; m0 < p.M; m0 += MR) {
+        const MicroFn micro = kMicro[std::min(MR, p.M - m0)];
+        const int64_t rows = std::min(MR, p.M - m0);
+        const float* xp = p.xp.data() + m0 * p.K + k0 * MR;
+        float* y = p.y + m0 * p.N + c0;
+        if (width == NR) {
+          micro(xp, panel, kc, y, p.N, k0 > 0);
+        } else {
+          for (int64_t r = 0; r < rows; ++r)
+            for (int64_t c = 0; c < NR; ++c) tile[r * NR + c] = c < width ? y[r * p.N + c] : 0.0f;
+          micro(xp, panel, kc, tile, NR, k0 > 0);
+          for (int64_t r = 0; r < rows; ++r)
+            std::memcpy(y + r * p.N, tile + r * NR, width * sizeof(float));
+        }
+      }
+    }
+  }
+}
+
+// Column blocks handed out by an atomic counter to the calling thread and to tasks on XLA's
+// pool. A task that starts after every block is taken exits without touching the buffers, so
+// the caller never waits on a task that has not started.
+struct Shared {
+  Problem p;
+  int64_t items = 0;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+  std::mutex mu;
+  std::condition_variable cv;
+};
+
+void Drain(Shared& sh) {
+  alignas(64) thread_local static float wp[NP * KC * NR];
+  for (int64_t i; (i = sh.next.fetch_add(1)) < sh.items;) {
+    const int64_t j0 = i * sh.p.item_cols;
+    RunItem(sh.p, j0, std::min(sh.p.item_cols, sh.p.N - j0), wp);
+    if (sh.done.fetch_add(1) + 1 == sh.items) {
+      std::lock_guard<std::mutex> lock(sh.mu);
+      sh.cv.notify_all();
+    }
+  }
+}
+
+ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                  ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y, bool transposed) {
+  auto xd = x.dimensions();
+  auto wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 3) return ffi::Error::InvalidArgument("linear: bad ranks");
+  const int64_t l = layer.typed_data()[0];
+  if (l < 0 || l >= wd[0]) return ffi::Error::InvalidArgument("linear: layer out of range");
+  auto shared = std::make_shared<Shared>();
+  Problem& p = shared->p;
+  p.M = xd[0];
+  p.K = xd[1];
+  p.N = transposed ? wd[1] : wd[2];
+  if ((transposed ? wd[2] : wd[1]) != p.K)
+    return ffi::Error::InvalidArgument("linear: x and w disagree on the inner size");
+  p.transposed = transposed;
+  p.x = x.typed_data();
+  p.w = w.typed_data() + l * wd[1] * wd[2];
+  p.y = y->typed_data();
+  if (p.M == 0 || p.N == 0) return ffi::Error::Success();
+  if (p.K == 0) {
+    std::fill(p.y, p.y + p.M * p.N, 0.0f);
+    return ffi::Error::Success();
+  }
+  PackX(p);
+  // Narrow items when W has few columns, so that every thread gets several (load balance).
+  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
+  p.item_cols = NR * std::clamp<int64_t>(p.N / (NR * 8 * threads), 1, NP);
+  shared->items = (p.N + p.item_cols - 1) / p.item_cols;
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), shared->items) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([shared] { Drain(*shared); });
+  Drain(*shared);
+  std::unique_lock<std::mutex> lock(shared->mu);
+  shared->cv.wait(lock, [&] { return shared->done.load() == shared->items; });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LinearCpu, Linear,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // w [L, K, N] or [L, N, K]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer []
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
+                                  .Attr<bool>("transposed"));

@@ -1,0 +1,99 @@
+"""The native CPU matmul (`ops.cpu_linear`, csrc/linear_cpu.cc) against NumPy in float64, and
+the model's use of it under the "cpu" backend (whose logits tests/test_model.py checks
+against Hugging Face)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pagedjax.engine.input_batch import BatchBuilder, SeqInput
+from pagedjax.models import llama, loader
+from pagedjax.ops import cpu_linear
+from pagedjax.ops.attention import AttentionMetadata
+from pagedjax.ops.kv_cache import init_kv_cache, kv_cache_shape
+from pagedjax.ops.quant import quantize_params
+
+
+@pytest.mark.parametrize(
+    "M, K, N, transposed",
+    [
+        (1, 24, 40, False),  # one row; N not a multiple of the 16-column micro-panel
+        (5, 300, 17, True),  # W read transposed; K spans two 256-deep slices
+        (13, 576, 192, False),  # two full 6-row blocks and a 1-row tail; narrow work items
+        (64, 600, 1536, False),  # a decode step's MLP shape; three K slices accumulate
+        (7, 64, 1000, True),  # the tied-embedding LM head's layout
+    ],
+)
+def test_matmul_matches_numpy(M, K, N, transposed):
+    rng = np.random.default_rng(M * K + N)
+    L = 3
+    w = rng.standard_normal((L, N, K) if transposed else (L, K, N)).astype(np.float32)
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    f = jax.jit(lambda x, w, i: cpu_linear.matmul(x, w, i, transposed=transposed))
+    for i in range(L):
+        got = np.asarray(f(x, w, i))
+        want = x.astype(np.float64) @ (w[i].T if transposed else w[i]).astype(np.float64)
+        assert got.shape == (M, N) and got.dtype == np.float32
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.sqrt(K))
+
+
+def test_matmul_layer_index_inside_scan():
+    """A traced layer index (the model's scan counter) selects each layer in place."""
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((4, 32, 48)).astype(np.float32)
+    x = rng.standard_normal((6, 32)).astype(np.float32)
+
+    def body(carry, i):
+        return carry, cpu_linear.matmul(x, jnp.asarray(w), i)
+
+    _, ys = jax.jit(lambda: jax.lax.scan(body, 0, jnp.arange(4)))()
+    np.testing.assert_allclose(np.asarray(ys), np.einsum("mk,lkn->lmn", x, w), rtol=1e-5, atol=1e-4)
+
+
+def test_matmul_rejects_bad_input():
+    x = jnp.ones((2, 8), jnp.float32)
+    with pytest.raises(ValueError, match="float32 weights, not bfloat16"):
+        cpu_linear.matmul(x, jnp.ones((1, 8, 4), jnp.bfloat16))
+    with pytest.raises(ValueError, match="disagree on K"):
+        cpu_linear.matmul(x, jnp.ones((1, 9, 4), jnp.float32))
+    assert not cpu_linear.supports(jnp.ones((2, 2), jnp.bfloat16))
+
+
+def _lowered_step(params, cfg, backend, num_tokens):
+    """The HLO text of one forward step over a prompt of `num_tokens` tokens."""
+    builder = BatchBuilder(
+        max_num_batched_tokens=256,
+        max_num_seqs=4,
+        max_model_len=256,
+        block_size=16,
+        query_tile_size=8,
+        kv_chunk_pages=2,
+    )
+    blocks = np.arange(1, 17, dtype=np.int32)
+    layout, buf = builder.build([SeqInput(np.zeros(num_tokens, np.int32), 0, blocks)])
+    a = {k: jnp.asarray(v) for k, v in layout.unpack(buf.copy()).items()}
+    md = AttentionMetadata.from_arrays(a, query_tile_size=8, kv_chunk_pages=2)
+    shape = kv_cache_shape(cfg.num_hidden_layers, 17, 16, cfg.num_key_value_heads, cfg.head_dim)
+    fwd = jax.jit(
+        lambda p, kv, a, md: llama.forward(
+            p, kv, a["input_ids"], a["positions"], md, cfg=cfg, attention_backend=backend
+        )
+    )
+    return fwd.lower(params, init_kv_cache(shape, jnp.float32), a, md).as_text()
+
+
+def test_model_uses_the_native_matmul_only_where_it_should(tiny_llama_dir):
+    """Under "cpu", a step of up to MAX_TOKENS tokens runs its seven float32 linear layers
+    through the native matmul (so the model-vs-HF tests cover it); a larger step, another
+    backend, or quantized weights keep XLA's dot."""
+    source = loader.resolve_model_source(str(tiny_llama_dir))
+    cfg = loader.load_arch_config(source)
+    params = loader.load_params(source, cfg, "float32")
+    assert _lowered_step(params, cfg, "cpu", 8).count(cpu_linear.TARGET) == 7
+    assert cpu_linear.TARGET not in _lowered_step(params, cfg, "xla", 8)
+    assert cpu_linear.TARGET not in _lowered_step(params, cfg, "cpu", cpu_linear.MAX_TOKENS + 1)
+    int8 = quantize_params(params, "int8")
+    assert cpu_linear.TARGET not in _lowered_step(int8, cfg, "cpu", 8)
