@@ -106,29 +106,26 @@ void PackX(Problem& p) {
 // past `cols`).
 void PackW(const Problem& p, int64_t k0, int64_t kc, int64_t j0, int64_t cols, float* wp) {
   const int64_t panels = (cols + NR - 1) / NR;
-  for (int64_t q = 0; q < panels; ++q) {
-    float* dst = wp + q * KC * NR;
-    const int64_t c0 = j0 + q * NR;
-    const int64_t width = std::min(NR, cols - q * NR);
-    if (!p.transposed) {
-      for (int64_t k = 0; k < kc; ++k) {
-        const float* src = p.w + (k0 + k) * p.N + c0;
-        // Rows are a page or more apart: the hardware prefetcher does not follow them.
-        __builtin_prefetch(src + kPrefetchRows * p.N);
-        if (width == NR) {
-          std::memcpy(dst + k * NR, src, NR * sizeof(float));
-        } else {
-          std::fill(dst + k * NR, dst + (k + 1) * NR, 0.0f);
-          std::memcpy(dst + k * NR, src, width * sizeof(float));
-        }
-      }
-    } else {  // W stored [N, K]: column c of the layer is row c, contiguous in k
-      if (width < NR) std::fill(dst, dst + kc * NR, 0.0f);
-      for (int64_t c = 0; c < width; ++c) {
-        const float* src = p.w + (c0 + c) * p.K + k0;
-        for (int64_t k = 0; k < kc; ++k) dst[k * NR + c] = src[k];
+  if (cols % NR) std::fill(wp, wp + panels * KC * NR, 0.0f);
+  if (!p.transposed) {
+    // Row by row: each row's `cols` floats are contiguous. Rows are a page or more apart,
+    // which the hardware prefetcher does not follow, so the rows ahead are asked for.
+    for (int64_t k = 0; k < kc; ++k) {
+      const float* src = p.w + (k0 + k) * p.N + j0;
+      const float* ahead = src + kPrefetchRows * p.N;
+      for (int64_t c = 0; c < cols; c += 16) __builtin_prefetch(ahead + c);
+      for (int64_t q = 0; q < panels; ++q) {
+        const int64_t width = std::min(NR, cols - q * NR);
+        std::memcpy(wp + q * KC * NR + k * NR, src + q * NR, width * sizeof(float));
       }
     }
+    return;
+  }
+  // W stored [N, K]: column c of the layer is row c, contiguous in k.
+  for (int64_t c = 0; c < cols; ++c) {
+    const float* src = p.w + (j0 + c) * p.K + k0;
+    float* dst = wp + (c / NR) * KC * NR + c % NR;
+    for (int64_t k = 0; k < kc; ++k) dst[k * NR] = src[k];
   }
 }
 
