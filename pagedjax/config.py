@@ -283,8 +283,9 @@ class EngineArgs:
     process_id: int = _field(0, "This process's index in [0, num_processes).")
     attention_backend: str = _field(
         "auto",
-        "Attention implementation ('auto': pallas on GPU; on CPU, the native 'cpu' kernel on "
-        "one device when a C++ compiler builds it, else xla).",
+        "Attention implementation ('auto': pallas on GPU; on CPU, the native 'cpu' kernels "
+        "(attention, and the float32 matmul of decode steps) on one device when a C++ "
+        "compiler builds them, else xla).",
         choices=ATTENTION_BACKENDS,
     )
     max_logprobs: int = _field(20, "Most logprobs / prompt_logprobs a request may ask for.")

@@ -11,7 +11,9 @@ Implementations (all share `tests/test_attention.py`):
     "xla"        `paged_attention_xla`: flash-style online softmax over KV chunks in XLA loops;
                  runs anywhere, sharded or not.
     "cpu"        `cpu_attention.paged_attention`: a native C++ kernel (an XLA FFI custom
-                 call) that reads pages in place; the fast path on one CPU device.
+                 call) that reads pages in place; the fast path on one CPU device. The
+                 model also runs its float32 linear layers of decode-sized steps through
+                 the native `cpu_linear.matmul` under this backend.
     "pallas"     `paged_attention_pallas`: the Pallas kernel (GPU; `interpret=True` on CPU).
 """
 
