@@ -4,7 +4,8 @@
 // weight matrix out of the stacked [L, in, out] array (a dynamic-slice) before every dot; for
 // the small-M matmuls of decode steps that copy costs about half as much as the dot itself.
 // This kernel takes the whole stacked array and the layer index and reads the layer's rows in
-// place. It also serves the LM head (W = the tied embedding matrix, read transposed).
+// place. It can also read W stored transposed ([N, K], like a tied embedding matrix), though
+// the model's LM head keeps XLA's dot (faster there).
 //
 // Algorithm: the blocked GEMM of Goto & van de Geijn ("Anatomy of high-performance matrix
 // multiplication", ACM TOMS 2008) in the loop order of BLIS (Van Zee & van de Geijn, 2015),
