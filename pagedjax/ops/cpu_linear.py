@@ -5,7 +5,7 @@ the stacked [L, in, out] array before every dot (a dynamic-slice); at decode bat
 copy costs about half as much as the dot. `csrc/linear_cpu.cc` takes the whole stacked array
 and the layer index and reads the layer in place, with a blocked GEMM (packed operands, a
 6 x 16 register micro-kernel) over XLA's intra-op thread pool. Part of the "cpu" backend:
-`models.llama` runs every float32 linear layer and the LM head through it there.
+`models.llama` runs the float32 linear layers of steps of up to `MAX_TOKENS` tokens through it.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def matmul(
         w: float32 [L, K, N] stacked weights ([L, N, K] when `transposed`), or one [K, N]
             ([N, K]) matrix, taken as L = 1.
         layer: scalar int32 index into the L axis (traced or not).
-        transposed: W is stored [.., N, K] (e.g. the tied embedding matrix as the LM head).
+        transposed: W is stored [.., N, K] (e.g. a tied embedding matrix).
 
     Returns:
         [M, N] float32.
