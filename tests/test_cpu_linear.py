@@ -18,24 +18,24 @@ from pagedjax.ops.quant import quantize_params
 
 
 @pytest.mark.parametrize(
-    "M, K, N, transposed",
+    "M, K, N",
     [
-        (1, 24, 40, False),  # one row; N not a multiple of the 16-column micro-panel
-        (5, 300, 17, True),  # W read transposed; K spans two 256-deep slices
-        (13, 576, 192, False),  # two full 6-row blocks and a 1-row tail; narrow work items
-        (64, 600, 1536, False),  # a decode step's MLP shape; three K slices accumulate
-        (7, 64, 1000, True),  # the tied-embedding LM head's layout
+        (1, 24, 40),  # one row; N not a multiple of the 16-column micro-panel
+        (5, 300, 17),  # K spans two 256-deep slices; one partial panel
+        (13, 576, 192),  # two full 6-row blocks and a 1-row tail; narrow work items
+        (64, 600, 1536),  # a decode step's MLP shape; three K slices accumulate
+        (7, 64, 1000),  # many work items, the last one partial
     ],
 )
-def test_matmul_matches_numpy(M, K, N, transposed):
+def test_matmul_matches_numpy(M, K, N):
     rng = np.random.default_rng(M * K + N)
     L = 3
-    w = rng.standard_normal((L, N, K) if transposed else (L, K, N)).astype(np.float32)
+    w = rng.standard_normal((L, K, N)).astype(np.float32)
     x = rng.standard_normal((M, K)).astype(np.float32)
-    f = jax.jit(lambda x, w, i: cpu_linear.matmul(x, w, i, transposed=transposed))
+    f = jax.jit(cpu_linear.matmul)
     for i in range(L):
         got = np.asarray(f(x, w, i))
-        want = x.astype(np.float64) @ (w[i].T if transposed else w[i]).astype(np.float64)
+        want = x.astype(np.float64) @ w[i].astype(np.float64)
         assert got.shape == (M, N) and got.dtype == np.float32
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.sqrt(K))
 

@@ -8,9 +8,9 @@ on one CPU device).
 
 The library is compiled with the system C++ compiler ($CXX, else g++; `-O3 -march=native`)
 against the FFI headers that ship with jaxlib, into `<cache root>/kernels/` (see
-`models.loader.cache_root`), keyed by the sources, the flags, the jaxlib version and the CPU
-model. `available()` is False, with the reason logged once, when there is no compiler or the
-build fails; `attention_backend="auto"` then keeps "xla".
+`models.loader.cache_root`), keyed by the sources and their header, the flags, the jaxlib
+version and the CPU model. `available()` is False, with the reason logged once, when there is
+no compiler or the build fails; `attention_backend="auto"` then keeps "xla".
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = (CSRC / "paged_attention_cpu.cc", CSRC / "linear_cpu.cc")
+HEADERS = (CSRC / "simd.h",)  # included by the sources: part of the cache key
 # FFI target name -> the handler symbol the library exports.
 TARGETS = {
     "pagedjax_paged_attention_cpu": "PagedAttentionCpu",
@@ -63,7 +64,7 @@ def _library_path(cxx: str) -> Path:
 
     key = "|".join(
         [
-            *(s.read_text() for s in SOURCES),
+            *(f.read_text() for f in (*SOURCES, *HEADERS)),
             cxx,
             " ".join(CXX_FLAGS),
             jax.__version__,
@@ -93,7 +94,15 @@ def build(cxx: str | None = None) -> Path:
     with tempfile.NamedTemporaryFile(dir=out.parent, suffix=".so", delete=False) as tmp:
         tmp_path = Path(tmp.name)
     try:
-        cmd = [cxx, *CXX_FLAGS, f"-I{include}", *map(str, SOURCES), "-o", str(tmp_path)]
+        cmd = [
+            cxx,
+            *CXX_FLAGS,
+            f"-I{include}",
+            f"-I{CSRC}",
+            *map(str, SOURCES),
+            "-o",
+            str(tmp_path),
+        ]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode:
             raise RuntimeError(f"building the CPU kernels failed:\n{' '.join(cmd)}\n{done.stderr}")

@@ -28,17 +28,13 @@ def supports(w) -> bool:
     return isinstance(w, jax.Array | np.ndarray) and jnp.dtype(w.dtype) == jnp.float32
 
 
-def matmul(
-    x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, *, transposed: bool = False
-) -> jax.Array:
-    """x @ W[layer] (or x @ W[layer].T when `transposed`), in float32.
+def matmul(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0) -> jax.Array:
+    """x @ W[layer], in float32.
 
     Args:
         x: [M, K] activations (any float dtype; computed in float32).
-        w: float32 [L, K, N] stacked weights ([L, N, K] when `transposed`), or one [K, N]
-            ([N, K]) matrix, taken as L = 1.
+        w: float32 [L, K, N] stacked weights.
         layer: scalar int32 index into the L axis (traced or not).
-        transposed: W is stored [.., N, K] (e.g. a tied embedding matrix).
 
     Returns:
         [M, N] float32.
@@ -51,14 +47,9 @@ def matmul(
         raise RuntimeError(f"native CPU kernels unavailable: {unavailable_reason()}")
     if jnp.dtype(w.dtype) != jnp.float32:
         raise ValueError(f"native CPU matmul multiplies float32 weights, not {w.dtype}")
-    if w.ndim == 2:
-        w = w[None]
-    if x.ndim != 2 or w.ndim != 3:
-        raise ValueError(f"native CPU matmul: x [M, K] and w [L, K, N], got {x.shape}, {w.shape}")
-    K, N = (w.shape[2], w.shape[1]) if transposed else (w.shape[1], w.shape[2])
-    if x.shape[1] != K:
-        raise ValueError(f"native CPU matmul: x {x.shape} and w {w.shape} disagree on K")
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], N), jnp.float32))
-    return call(
-        x.astype(jnp.float32), w, jnp.asarray(layer, jnp.int32).reshape(()), transposed=transposed
-    )
+    if x.ndim != 2 or w.ndim != 3 or x.shape[1] != w.shape[1]:
+        raise ValueError(
+            f"native CPU matmul: x [M, K] and w [L, K, N] disagree on K: {x.shape}, {w.shape}"
+        )
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], w.shape[2]), jnp.float32))
+    return call(x.astype(jnp.float32), w, jnp.asarray(layer, jnp.int32).reshape(()))

@@ -4,8 +4,7 @@
 // weight matrix out of the stacked [L, in, out] array (a dynamic-slice) before every dot; for
 // the small-M matmuls of decode steps that copy costs about half as much as the dot itself.
 // This kernel takes the whole stacked array and the layer index and reads the layer's rows in
-// place. It can also read W stored transposed ([N, K], like a tied embedding matrix), though
-// the model's LM head keeps XLA's dot (faster there).
+// place.
 //
 // Algorithm: the blocked GEMM of Goto & van de Geijn ("Anatomy of high-performance matrix
 // multiplication", ACM TOMS 2008) in the loop order of BLIS (Van Zee & van de Geijn, 2015),
@@ -31,17 +30,12 @@
 #include <mutex>
 #include <vector>
 
+#include "simd.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
-
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v8u __attribute__((vector_size(32), aligned(4)));  // unaligned loads/stores
-
-inline v8 LoadU(const float* p) { return *reinterpret_cast<const v8u*>(p); }
-inline void StoreU(float* p, v8 x) { *reinterpret_cast<v8u*>(p) = x; }
 
 constexpr int64_t MR = 6;    // rows of x per micro-kernel call
 constexpr int64_t NR = 16;   // columns of W per micro-panel
@@ -68,11 +62,11 @@ void Micro(const float* __restrict xp, const float* __restrict wp, int64_t kc, f
   for (int r = 0; r < R; ++r) {
     float* row = y + r * ldy;
     if (accumulate) {
-      acc0[r] += LoadU(row);
-      acc1[r] += LoadU(row + 8);
+      acc0[r] += Load(row);
+      acc1[r] += Load(row + 8);
     }
-    StoreU(row, acc0[r]);
-    StoreU(row + 8, acc1[r]);
+    Store(row, acc0[r]);
+    Store(row + 8, acc1[r]);
   }
 }
 
@@ -82,10 +76,9 @@ constexpr MicroFn kMicro[MR + 1] = {nullptr,  Micro<1>, Micro<2>, Micro<3>,
 
 struct Problem {
   const float* x;  // [M, K]
-  const float* w;  // this layer's [K, N], or [N, K] when transposed
+  const float* w;  // this layer's [K, N]
   float* y;        // [M, N]
   int64_t M, K, N;
-  bool transposed;
   int64_t item_cols;      // output columns per work item (a multiple of NR, <= NP * NR)
   std::vector<float> xp;  // packed x: [ceil(M / MR)][K][MR]
 };
@@ -108,25 +101,16 @@ void PackX(Problem& p) {
 void PackW(const Problem& p, int64_t k0, int64_t kc, int64_t j0, int64_t cols, float* wp) {
   const int64_t panels = (cols + NR - 1) / NR;
   if (cols % NR) std::fill(wp, wp + panels * KC * NR, 0.0f);
-  if (!p.transposed) {
-    // Row by row: each row's `cols` floats are contiguous. Rows are a page or more apart,
-    // which the hardware prefetcher does not follow, so the rows ahead are asked for.
-    for (int64_t k = 0; k < kc; ++k) {
-      const float* src = p.w + (k0 + k) * p.N + j0;
-      const float* ahead = src + kPrefetchRows * p.N;
-      for (int64_t c = 0; c < cols; c += 16) __builtin_prefetch(ahead + c);
-      for (int64_t q = 0; q < panels; ++q) {
-        const int64_t width = std::min(NR, cols - q * NR);
-        std::memcpy(wp + q * KC * NR + k * NR, src + q * NR, width * sizeof(float));
-      }
+  // Row by row: each row's `cols` floats are contiguous. Rows are a page or more apart, which
+  // the hardware prefetcher does not follow, so the rows ahead are asked for.
+  for (int64_t k = 0; k < kc; ++k) {
+    const float* src = p.w + (k0 + k) * p.N + j0;
+    const float* ahead = src + kPrefetchRows * p.N;
+    for (int64_t c = 0; c < cols; c += 16) __builtin_prefetch(ahead + c);
+    for (int64_t q = 0; q < panels; ++q) {
+      const int64_t width = std::min(NR, cols - q * NR);
+      std::memcpy(wp + q * KC * NR + k * NR, src + q * NR, width * sizeof(float));
     }
-    return;
-  }
-  // W stored [N, K]: column c of the layer is row c, contiguous in k.
-  for (int64_t c = 0; c < cols; ++c) {
-    const float* src = p.w + (j0 + c) * p.K + k0;
-    float* dst = wp + (c / NR) * KC * NR + c % NR;
-    for (int64_t k = 0; k < kc; ++k) dst[k * NR] = src[k];
   }
 }
 
@@ -185,7 +169,7 @@ void Drain(Shared& sh) {
 }
 
 ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                  ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y, bool transposed) {
+                  ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
   auto xd = x.dimensions();
   auto wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 3) return ffi::Error::InvalidArgument("linear: bad ranks");
@@ -195,10 +179,8 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
   Problem& p = shared->p;
   p.M = xd[0];
   p.K = xd[1];
-  p.N = transposed ? wd[1] : wd[2];
-  if ((transposed ? wd[2] : wd[1]) != p.K)
-    return ffi::Error::InvalidArgument("linear: x and w disagree on the inner size");
-  p.transposed = transposed;
+  p.N = wd[2];
+  if (wd[1] != p.K) return ffi::Error::InvalidArgument("linear: x and w disagree on the inner size");
   p.x = x.typed_data();
   p.w = w.typed_data() + l * wd[1] * wd[2];
   p.y = y->typed_data();
@@ -226,7 +208,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LinearCpu, Linear,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // w [L, K, N] or [L, N, K]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // w [L, K, N]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer []
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
-                                  .Attr<bool>("transposed"));
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]

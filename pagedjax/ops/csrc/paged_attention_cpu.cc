@@ -28,17 +28,13 @@
 #include <mutex>
 #include <vector>
 
+#include "simd.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v8u __attribute__((vector_size(32), aligned(4)));  // unaligned loads/stores
-
-inline v8 Load(const float* p) { return *reinterpret_cast<const v8u*>(p); }
-inline void Store(float* p, v8 x) { *reinterpret_cast<v8u*>(p) = x; }
 inline float Sum(v8 x) {
   float s = 0.0f;
   for (int i = 0; i < 8; ++i) s += x[i];
