@@ -40,6 +40,19 @@ def test_matmul_matches_numpy(M, K, N):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.sqrt(K))
 
 
+@pytest.mark.parametrize("num_rows", [0, 1, 7, 13, 20])
+def test_matmul_multiplies_only_num_rows(num_rows):
+    """A traced row count: rows below it match NumPy, rows past it (padding) are zero."""
+    rng = np.random.default_rng(num_rows)
+    w = rng.standard_normal((2, 300, 40)).astype(np.float32)
+    x = rng.standard_normal((13, 300)).astype(np.float32)
+    got = np.asarray(jax.jit(cpu_linear.matmul)(x, w, 1, num_rows))
+    n = min(num_rows, 13)
+    want = x[:n].astype(np.float64) @ w[1].astype(np.float64)
+    np.testing.assert_allclose(got[:n], want, rtol=1e-5, atol=1e-5 * np.sqrt(300))
+    assert not got[n:].any()
+
+
 def test_matmul_layer_index_inside_scan():
     """A traced layer index (the model's scan counter) selects each layer in place."""
     rng = np.random.default_rng(0)

@@ -316,7 +316,8 @@ def decoder_layers(
 
     # With the "cpu" backend, steps of up to cpu_linear.MAX_TOKENS tokens multiply float32
     # weights with the native kernel, which reads layer i of the stacked [L, in, out] array in
-    # place; those weights stay out of the scan's sliced inputs.
+    # place; those weights stay out of the scan's sliced inputs. It multiplies only the
+    # step's real tokens (query_start_loc[-1]), not the bucket's padding.
     use_native = attention_backend == "cpu" and T <= cpu_linear.MAX_TOKENS
     native = {
         name: layers[name]
@@ -324,6 +325,7 @@ def decoder_layers(
         if use_native and cpu_linear.supports(layers[name])
     }
     scanned = {name: w for name, w in layers.items() if name not in native}
+    num_real_tokens = md.query_start_loc[-1]
 
     def layer(carry, xs):
         h, (k_cache, v_cache) = carry
@@ -331,7 +333,7 @@ def decoder_layers(
 
         def linear(x, name):
             if name in native:
-                return cpu_linear.matmul(x, native[name], layer_idx).astype(x.dtype)
+                return cpu_linear.matmul(x, native[name], layer_idx, num_real_tokens).astype(x.dtype)
             return quant_linear(x, w[name])
 
         x = rms_norm(h, w["input_norm"], cfg.rms_norm_eps)

@@ -28,13 +28,21 @@ def supports(w) -> bool:
     return isinstance(w, jax.Array | np.ndarray) and jnp.dtype(w.dtype) == jnp.float32
 
 
-def matmul(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0) -> jax.Array:
-    """x @ W[layer], in float32.
+def matmul(
+    x: jax.Array,
+    w: jax.Array,
+    layer: jax.Array | int = 0,
+    num_rows: jax.Array | int | None = None,
+) -> jax.Array:
+    """x @ W[layer], in float32, for the first `num_rows` rows of x.
 
     Args:
         x: [M, K] activations (any float dtype; computed in float32).
         w: float32 [L, K, N] stacked weights.
         layer: scalar int32 index into the L axis (traced or not).
+        num_rows: scalar int32 (traced or not): only rows [0, num_rows) of x are multiplied,
+            the others give zeros; clipped to [0, M]. None: all M. A step padded to its
+            shape bucket passes its number of real tokens, so padding costs no arithmetic.
 
     Returns:
         [M, N] float32.
@@ -52,4 +60,10 @@ def matmul(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0) -> jax.Array:
             f"native CPU matmul: x [M, K] and w [L, K, N] disagree on K: {x.shape}, {w.shape}"
         )
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], w.shape[2]), jnp.float32))
-    return call(x.astype(jnp.float32), w, jnp.asarray(layer, jnp.int32).reshape(()))
+    rows = x.shape[0] if num_rows is None else num_rows
+    return call(
+        x.astype(jnp.float32),
+        w,
+        jnp.asarray(layer, jnp.int32).reshape(()),
+        jnp.asarray(rows, jnp.int32).reshape(()),
+    )

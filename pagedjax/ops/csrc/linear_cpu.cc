@@ -17,6 +17,8 @@
 //     block of x passes over them), then runs the micro-kernel;
 //   - the micro-kernel keeps a 6 x 16 block of y in twelve 8-float registers and does
 //     12 fused multiply-adds per k from one 16-float row of W and six broadcasts of x.
+// Only the first `rows` rows of x are multiplied (a runtime operand: a step padded to its
+// shape bucket passes its number of real tokens); the rows past it are written as zeros.
 // Work items are spread over XLA's intra-op thread pool.
 //
 // Built on first use by pagedjax/ops/cpu_kernels.py (g++ -O3 -march=native).
@@ -169,7 +171,8 @@ void Drain(Shared& sh) {
 }
 
 ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                  ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
+                  ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> rows,
+                  ffi::ResultBuffer<ffi::F32> y) {
   auto xd = x.dimensions();
   auto wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 3) return ffi::Error::InvalidArgument("linear: bad ranks");
@@ -177,13 +180,15 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
   if (l < 0 || l >= wd[0]) return ffi::Error::InvalidArgument("linear: layer out of range");
   auto shared = std::make_shared<Shared>();
   Problem& p = shared->p;
-  p.M = xd[0];
+  const int64_t total_rows = xd[0];
+  p.M = std::clamp<int64_t>(rows.typed_data()[0], 0, total_rows);
   p.K = xd[1];
   p.N = wd[2];
   if (wd[1] != p.K) return ffi::Error::InvalidArgument("linear: x and w disagree on the inner size");
   p.x = x.typed_data();
   p.w = w.typed_data() + l * wd[1] * wd[2];
   p.y = y->typed_data();
+  std::fill(p.y + p.M * p.N, p.y + total_rows * p.N, 0.0f);  // padding rows
   if (p.M == 0 || p.N == 0) return ffi::Error::Success();
   if (p.K == 0) {
     std::fill(p.y, p.y + p.M * p.N, 0.0f);
@@ -210,4 +215,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LinearCpu, Linear,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // w [L, K, N]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer []
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // rows []: rows of x to multiply
                                   .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
