@@ -107,7 +107,7 @@ def _state(S, V):
 
 @functools.partial(jax.jit, static_argnames=("k",))
 def _sample_full(logits, sm, state, k=5):
-    return sample(logits, sm, state, max_logprobs=k, want_top=jnp.bool_(True))
+    return sample(logits, sm, state, max_logprobs=k, want_logprobs=jnp.bool_(True))
 
 
 def _sample(logits, sm, state=None):

@@ -60,6 +60,28 @@ def test_logprobs_match_hf_log_softmax(llm, tiny_hf, prompts8):
             assert abs(entry[t].logprob - row[t]) < 1e-4
 
 
+def test_logprobs_zero_gives_the_sampled_tokens_logprob(llm, tiny_hf, prompts8):
+    """logprobs=0: only the sampled token's logprob and rank (vLLM's meaning), also for a
+    sampled (not greedy) token, next to a request that asked for none in the same steps."""
+    p, q = prompts8[2], prompts8[3]
+    sp0 = SamplingParams(temperature=1.0, seed=7, max_tokens=4, logprobs=0, ignore_eos=True)
+    none = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    out, other = llm.generate(
+        [{"prompt_token_ids": p}, {"prompt_token_ids": q}], [sp0, none], use_tqdm=False
+    )
+    comp = out.outputs[0]
+    seq = p + _ids(out)
+    with torch.no_grad():
+        ref = torch.log_softmax(tiny_hf(torch.tensor([seq])).logits[0], -1).numpy()
+    want = [ref[len(p) - 1 + j][t] for j, t in enumerate(comp.token_ids)]
+    for j, (tok, lps) in enumerate(zip(comp.token_ids, comp.logprobs, strict=True)):
+        assert list(lps) == [tok]
+        assert abs(lps[tok].logprob - want[j]) < 1e-4
+        assert lps[tok].rank == 1 + int(np.sum(ref[len(p) - 1 + j] > want[j]))
+    assert abs(comp.cumulative_logprob - sum(want)) < 1e-3
+    assert other.outputs[0].logprobs is None and other.outputs[0].cumulative_logprob is None
+
+
 def test_prompt_logprobs_across_chunks_and_with_a_cached_prefix(
     make_llm, tiny_llama_dir, tiny_hf, prompts8
 ):

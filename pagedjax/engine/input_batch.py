@@ -81,7 +81,7 @@ class PackedLayout:
             ("tile_q_len", (NT,)),
             ("tile_kv_len", (NT,)),
             ("num_tiles", ()),
-            ("want_top", ()),
+            ("want_logprobs", ()),
             ("want_prompt", ()),
             *((name, (S,)) for name in SAMPLING_ROW_FIELDS),
             ("banned", (S, MAX_BANNED)),
@@ -157,7 +157,7 @@ class SeqInput:
     slot: int = 0
     counts: bool = True
     banned: tuple[int, ...] = ()
-    want_top: bool = False
+    want_logprobs: bool = False
     prompt_targets: np.ndarray | None = None
 
 
@@ -241,7 +241,7 @@ class BatchBuilder:
                     token_ids=s.token_ids[off : off + take],
                     start=s.start + off,
                     counts=s.counts and last,
-                    want_top=s.want_top and last,
+                    want_logprobs=s.want_logprobs and last,
                     banned=s.banned if last else (),
                     prompt_targets=None
                     if s.prompt_targets is None
@@ -335,7 +335,7 @@ class BatchBuilder:
             if len(s.banned) > MAX_BANNED:
                 raise ValueError(f"more than {MAX_BANNED} banned tokens in one step")
             banned[i, : len(s.banned)] = s.banned
-        v["want_top"][...] = any(s.want_top for s in seqs)
+        v["want_logprobs"][...] = any(s.want_logprobs for s in seqs)
         targets = v["prompt_targets"]
         targets.fill(-1)
         want_prompt = False

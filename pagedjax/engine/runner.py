@@ -347,7 +347,7 @@ class ModelRunner:
             presence_penalty=p.presence_penalty,
             frequency_penalty=p.frequency_penalty,
             use_bias=bias_row is not None,
-            want_top=bool(p.logprobs),
+            want_logprobs=p.logprobs is not None,
         )
         st = _RequestState(
             token_ids=token_ids,
@@ -472,8 +472,8 @@ class ModelRunner:
         s = out.sampled
         token_ids, logprobs = np.asarray(s.token_ids), np.asarray(s.logprobs)
         t2 = time.perf_counter()
-        want_top = any(x.want_top for x in seqs)
-        if want_top:
+        want_logprobs = any(x.want_logprobs for x in seqs)
+        if want_logprobs:
             ranks, top_ids, top_lps = (np.asarray(x) for x in (s.ranks, s.top_ids, s.top_logprobs))
         result = StepResult({}, {}, t1 - t0, t2 - t1, batch.layout.num_tokens)
         for i, (req_id, seq) in enumerate(zip(ids, seqs, strict=True)):
@@ -490,7 +490,7 @@ class ModelRunner:
             st.token_ids[st.num_tokens] = tok
             st.num_tokens += 1
             sampled = SampledToken(tok, float(logprobs[r]))
-            if st.num_logprobs is not None and want_top:
+            if st.num_logprobs is not None and want_logprobs:
                 k = st.num_logprobs
                 sampled.rank = int(ranks[r])
                 sampled.top = [

@@ -130,9 +130,11 @@ def step(
         banned=cat("banned"),
         counts=cat("counts") != 0,
     )
-    want_top = jnp.any(jnp.stack([a["want_top"] for a in parts]) != 0)
+    want_logprobs = jnp.any(jnp.stack([a["want_logprobs"] for a in parts]) != 0)
     want_prompt = jnp.any(jnp.stack([a["want_prompt"] for a in parts]) != 0)
-    sampled = sample(logits, sm, sampling_state, max_logprobs=max_logprobs, want_top=want_top)
+    sampled = sample(
+        logits, sm, sampling_state, max_logprobs=max_logprobs, want_logprobs=want_logprobs
+    )
     sampling_state = count_sampled(sampling_state, sm, sampled.token_ids)
     T, k = hidden.shape[0], max_logprobs
 

@@ -333,7 +333,8 @@ def decoder_layers(
 
         def linear(x, name):
             if name in native:
-                return cpu_linear.matmul(x, native[name], layer_idx, num_real_tokens).astype(x.dtype)
+                y = cpu_linear.matmul(x, native[name], layer_idx, num_real_tokens)
+                return y.astype(x.dtype)
             return quant_linear(x, w[name])
 
         x = rms_norm(h, w["input_norm"], cfg.rms_norm_eps)

@@ -15,7 +15,8 @@ Order of operations (that of vLLM's v1 sampler):
        being drawn (`fold_in(PRNGKey(seed), index)`), so a seeded request draws the same tokens
        whatever else is in the batch and in whichever step.
 Logprobs (the sampled token's, its rank, and the top `max_logprobs` alternatives) are those of
-the raw model distribution, `log_softmax(logits)`, as vLLM returns by default.
+the raw model distribution, `log_softmax(logits)`, as vLLM returns by default; they are
+computed only in steps where a request asked for them (`SamplingParams.logprobs` not None).
 
 Per-request state that outlives a step lives on the device in `SamplingState`, one row per
 runner slot: output token counts, a prompt-token mask and the bias row. The runner fills a
@@ -96,7 +97,8 @@ class SamplingMetadata:
 class SamplerOutput:
     """What leaves the device: token_ids [S] int32, logprobs [S] float32 and ranks [S] int32
     (1 = most likely) of the sampled tokens, and the top-k alternatives top_ids /
-    top_logprobs [S, k] (k = min(max_logprobs, V); zeros unless `want_top` was set)."""
+    top_logprobs [S, k] (k = min(max_logprobs, V)). All but token_ids are zeros unless
+    `want_logprobs` was set."""
 
     token_ids: jax.Array
     logprobs: jax.Array
@@ -202,7 +204,7 @@ def sample(
     state: SamplingState,
     *,
     max_logprobs: int,
-    want_top: jax.Array,
+    want_logprobs: jax.Array,
 ) -> SamplerOutput:
     """Draws one token per row.
 
@@ -211,7 +213,9 @@ def sample(
         sm: the rows' `SamplingMetadata`.
         state: the per-slot `SamplingState`.
         max_logprobs: k of the top-k alternatives returned (static).
-        want_top: scalar bool, compute the top-k alternatives and ranks.
+        want_logprobs: scalar bool: compute log_softmax(logits) and from it the sampled
+            tokens' logprobs and ranks and the top-k alternatives (else all zeros: a step in
+            which no request asked for logprobs skips the [S, V] softmax).
 
     Returns:
         A `SamplerOutput`.
@@ -236,24 +240,25 @@ def sample(
         return jnp.where(greedy, greedy_ids, drawn)
 
     ids = jax.lax.cond(jnp.all(greedy), lambda: greedy_ids, random_ids)
-    logprobs = jax.nn.log_softmax(logits, axis=-1)  # [S, V] raw distribution
-    chosen = jnp.take_along_axis(logprobs, ids[:, None], axis=-1)[:, 0]  # [S]
     S, V = logits.shape
     max_logprobs = min(max_logprobs, V)
 
-    def top():
+    def with_logprobs():
+        logprobs = jax.nn.log_softmax(logits, axis=-1)  # [S, V] raw distribution
+        chosen = jnp.take_along_axis(logprobs, ids[:, None], axis=-1)[:, 0]  # [S]
         top_lp, top_ids = jax.lax.top_k(logprobs, max_logprobs)  # [S, k]
         ranks = 1 + jnp.sum(logprobs > chosen[:, None], axis=-1)
-        return ranks.astype(jnp.int32), top_ids.astype(jnp.int32), top_lp
+        return chosen, ranks.astype(jnp.int32), top_ids.astype(jnp.int32), top_lp
 
-    def no_top():
+    def without():
         return (
+            jnp.zeros((S,), jnp.float32),
             jnp.zeros((S,), jnp.int32),
             jnp.zeros((S, max_logprobs), jnp.int32),
             jnp.zeros((S, max_logprobs), jnp.float32),
         )
 
-    ranks, top_ids, top_lp = jax.lax.cond(want_top, top, no_top)
+    chosen, ranks, top_ids, top_lp = jax.lax.cond(want_logprobs, with_logprobs, without)
     return SamplerOutput(ids, chosen, ranks, top_ids, top_lp)
 
 
