@@ -14,7 +14,7 @@ from pagedjax.models import llama, loader
 from pagedjax.ops import cpu_linear
 from pagedjax.ops.attention import AttentionMetadata
 from pagedjax.ops.kv_cache import init_kv_cache, kv_cache_shape
-from pagedjax.ops.quant import quantize_params
+from pagedjax.ops.quant import LINEAR_WEIGHTS, quantize_params
 
 
 @pytest.mark.parametrize(
@@ -27,14 +27,16 @@ from pagedjax.ops.quant import quantize_params
         (7, 64, 1000),  # many work items, the last one partial
     ],
 )
-def test_matmul_matches_numpy(M, K, N):
+@pytest.mark.parametrize("prepacked", [False, True])
+def test_matmul_matches_numpy(M, K, N, prepacked):
     rng = np.random.default_rng(M * K + N)
     L = 3
     w = rng.standard_normal((L, K, N)).astype(np.float32)
     x = rng.standard_normal((M, K)).astype(np.float32)
+    weight = cpu_linear.pack(jnp.asarray(w)) if prepacked else w
     f = jax.jit(cpu_linear.matmul)
     for i in range(L):
-        got = np.asarray(f(x, w, i))
+        got = np.asarray(f(x, weight, i))
         want = x.astype(np.float64) @ w[i].astype(np.float64)
         assert got.shape == (M, N) and got.dtype == np.float32
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.sqrt(K))
@@ -51,6 +53,20 @@ def test_matmul_multiplies_only_num_rows(num_rows):
     want = x[:n].astype(np.float64) @ w[1].astype(np.float64)
     np.testing.assert_allclose(got[:n], want, rtol=1e-5, atol=1e-5 * np.sqrt(300))
     assert not got[n:].any()
+
+
+def test_pack_layout_and_unpack():
+    """panels[l, p, k, c] = W[l, k, 16 p + c], zeros past N; unpack_layer inverts a layer."""
+    w = np.arange(2 * 3 * 20, dtype=np.float32).reshape(2, 3, 20)
+    packed = cpu_linear.pack(jnp.asarray(w))
+    assert packed.panels.shape == (2, 2, 3, 16) and packed.shape == (2, 3, 20)
+    panels = np.asarray(packed.panels)
+    assert panels[1, 1, 2, 3] == w[1, 2, 19] and panels[0, 0, 1, 5] == w[0, 1, 5]
+    assert not panels[:, 1, :, 4:].any()
+    layer = jax.tree.map(lambda a: a[1], packed)
+    np.testing.assert_array_equal(np.asarray(cpu_linear.unpack_layer(layer)), w[1])
+    with pytest.raises(ValueError, match="float32 \\[L, K, N\\]"):
+        cpu_linear.pack(jnp.ones((3, 4), jnp.float32))
 
 
 def test_matmul_layer_index_inside_scan():
@@ -75,8 +91,9 @@ def test_matmul_rejects_bad_input():
     assert not cpu_linear.supports(jnp.ones((2, 2), jnp.bfloat16))
 
 
-def _lowered_step(params, cfg, backend, num_tokens):
-    """The HLO text of one forward step over a prompt of `num_tokens` tokens."""
+def _step(params, cfg, backend, num_tokens, lower=True):
+    """One forward step over a prompt of `num_tokens` tokens: its HLO text (`lower`), or
+    its hidden states [T, D] as NumPy."""
     builder = BatchBuilder(
         max_num_batched_tokens=256,
         max_num_seqs=4,
@@ -95,7 +112,12 @@ def _lowered_step(params, cfg, backend, num_tokens):
             p, kv, a["input_ids"], a["positions"], md, cfg=cfg, attention_backend=backend
         )
     )
-    return fwd.lower(params, init_kv_cache(shape, jnp.float32), a, md).as_text()
+    args = (params, init_kv_cache(shape, jnp.float32), a, md)
+    return fwd.lower(*args).as_text() if lower else np.asarray(fwd(*args)[0])
+
+
+def _lowered_step(params, cfg, backend, num_tokens):
+    return _step(params, cfg, backend, num_tokens)
 
 
 def test_model_uses_the_native_matmul_only_where_it_should(tiny_llama_dir):
@@ -110,3 +132,41 @@ def test_model_uses_the_native_matmul_only_where_it_should(tiny_llama_dir):
     assert cpu_linear.TARGET not in _lowered_step(params, cfg, "cpu", cpu_linear.MAX_TOKENS + 1)
     int8 = quantize_params(params, "int8")
     assert cpu_linear.TARGET not in _lowered_step(int8, cfg, "cpu", 8)
+
+
+def test_model_with_prepacked_weights(tiny_llama_dir, tmp_path):
+    """The engine's pre-packed float32 weights (`pack_params`) give the plain weights' hidden
+    states through the native matmul (small step) and through XLA's dot on unpacked layers
+    (a step over MAX_TOKENS), and are saved as plain weights; quantized weights are left as
+    they are."""
+    source = loader.resolve_model_source(str(tiny_llama_dir))
+    cfg = loader.load_arch_config(source)
+    params = loader.load_params(source, cfg, "float32")
+    packed = cpu_linear.pack_params(params)
+    assert all(isinstance(packed["layers"][n], cpu_linear.PackedWeight) for n in LINEAR_WEIGHTS)
+    for T in (8, cpu_linear.MAX_TOKENS + 1):
+        want = _step(params, cfg, "cpu", T, lower=False)
+        got = _step(packed, cfg, "cpu", T, lower=False)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert _lowered_step(packed, cfg, "cpu", 8).count(cpu_linear.TARGET) == 7
+    assert cpu_linear.TARGET not in _lowered_step(packed, cfg, "cpu", cpu_linear.MAX_TOKENS + 1)
+    loader.save_converted(tmp_path / "saved", cfg, packed, None)  # an engine's params
+    back = loader.load_params(loader.resolve_model_source(str(tmp_path / "saved")), cfg)
+    for name in LINEAR_WEIGHTS:
+        np.testing.assert_array_equal(
+            np.asarray(back["layers"][name]), np.asarray(params["layers"][name])
+        )
+    hidden = jnp.asarray(np.random.default_rng(0).standard_normal((6, cfg.hidden_size)), "float32")
+    want = np.asarray(hidden @ params["lm_head"])
+    got = np.asarray(llama.compute_logits(packed, hidden, 4))
+    np.testing.assert_allclose(got[:4], want[:4], rtol=1e-5, atol=1e-5)
+    assert not got[4:].any()
+    # Tied embeddings: the packed head is the transposed embedding, dropped again on saving.
+    tied = cpu_linear.pack_params({k: v for k, v in params.items() if k != "lm_head"})
+    want = np.asarray(hidden @ params["embed_tokens"].T)
+    np.testing.assert_allclose(
+        np.asarray(llama.compute_logits(tied, hidden)), want, rtol=1e-5, atol=1e-5
+    )
+    assert "lm_head" not in cpu_linear.unpack_params(tied, tie_word_embeddings=True)
+    int8 = cpu_linear.pack_params(quantize_params(params, "int8"))
+    assert not any(isinstance(int8["layers"][n], cpu_linear.PackedWeight) for n in LINEAR_WEIGHTS)

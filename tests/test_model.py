@@ -15,6 +15,7 @@ from conftest import hf_model, make_checkpoint
 
 from pagedjax.engine.input_batch import BatchBuilder, SeqInput
 from pagedjax.models import llama, loader
+from pagedjax.ops import cpu_linear
 from pagedjax.ops.attention import AttentionMetadata
 from pagedjax.ops.kv_cache import init_kv_cache, kv_cache_shape
 
@@ -45,6 +46,12 @@ def _forward_chunks(params, cfg, kv, chunks, backend, block_ids):
         logits.append(np.asarray(llama.compute_logits(params, hidden[: len(chunk)])))
         start += len(chunk)
     return np.concatenate(logits), kv
+
+
+def _packed_if(backend, params):
+    """ "cpu-prepacked": the params as the engine holds them under "cpu" (pre-packed linear
+    weights and LM head)."""
+    return cpu_linear.pack_params(params) if backend == "cpu-prepacked" else params
 
 
 def _load(folder):
@@ -88,9 +95,14 @@ def test_prefill_logits_match_hf(tmp_path, name):
     ref = _hf_logits(folder, ids)
     shape = kv_cache_shape(cfg.num_hidden_layers, 16, BLOCK, cfg.num_key_value_heads, cfg.head_dim)
     blocks = np.arange(1, 8, dtype=np.int32)
-    for backend in ("reference", "xla", "cpu"):
+    for backend in ("reference", "xla", "cpu", "cpu-prepacked"):
         got, _ = _forward_chunks(
-            params, cfg, init_kv_cache(shape, jnp.float32), [ids], backend, blocks
+            _packed_if(backend, params),
+            cfg,
+            init_kv_cache(shape, jnp.float32),
+            [ids],
+            backend.split("-")[0],
+            blocks,
         )
         np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0, err_msg=f"{name} {backend}")
 
@@ -104,9 +116,14 @@ def test_chunked_prefill_and_decode_match_hf(tmp_path, tiny_llama_dir):
     shape = kv_cache_shape(cfg.num_hidden_layers, 20, BLOCK, cfg.num_key_value_heads, cfg.head_dim)
     blocks = np.array([7, 3, 12, 1, 9, 15], np.int32)  # scattered, out of order
     chunks = [ids[:13], ids[13:16], ids[16:33], *([t] for t in ids[33:])]
-    for backend in ("reference", "xla", "cpu"):
+    for backend in ("reference", "xla", "cpu", "cpu-prepacked"):
         got, _ = _forward_chunks(
-            params, cfg, init_kv_cache(shape, jnp.float32), chunks, backend, blocks
+            _packed_if(backend, params),
+            cfg,
+            init_kv_cache(shape, jnp.float32),
+            chunks,
+            backend.split("-")[0],
+            blocks,
         )
         np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0, err_msg=backend)
 

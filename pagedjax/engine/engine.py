@@ -30,6 +30,7 @@ from pagedjax.engine.runner import ModelRunner
 from pagedjax.engine.scheduler import Scheduler
 from pagedjax.inputs import PromptType, parse_prompt
 from pagedjax.models import llama, loader
+from pagedjax.ops import cpu_linear
 from pagedjax.ops.sampling import MAX_BANNED
 from pagedjax.outputs import RequestOutput
 from pagedjax.sampling_params import SamplingParams
@@ -109,6 +110,8 @@ class LLMEngine:
             kv_cache_dtype=cc.kv_cache_dtype,
         )
         params = jax.device_put(params, self.plan.param_shardings(params, logical))
+        if mc.attention_backend == "cpu":  # the native matmul's panel layout, packed once
+            params = cpu_linear.pack_params(params)
         load_s = time.perf_counter() - t0
         self.runner = ModelRunner(config, params, self.plan)
         num_blocks = self.runner.determine_num_blocks()

@@ -160,20 +160,20 @@ def step(
 
 
 def _logits_of_rows(params, rows, num_rows, V: int):
-    """LM head of the first `num_rows` of `rows` [S, D] (the rest: zeros), in blocks of
-    LOGITS_ROW_BLOCK rows up to num_rows: a prefill step of a few long prompts has a large
-    S but few rows to sample."""
+    """LM head of the first `num_rows` of `rows` [S, D] (the rest: zeros, except with XLA's
+    dot when S <= LOGITS_ROW_BLOCK), in blocks of LOGITS_ROW_BLOCK rows up to num_rows: a
+    prefill step of a few long prompts has a large S but few rows to sample."""
     S = rows.shape[0]
     R = LOGITS_ROW_BLOCK
     if S <= R:
-        return llama.compute_logits(params, rows)
+        return llama.compute_logits(params, rows, num_rows)
     pad = -(-S // R) * R - S
     rows = jnp.pad(rows, ((0, pad), (0, 0)))
 
     def block(b, out):
         x = jax.lax.dynamic_slice_in_dim(rows, b * R, R)
         return jax.lax.dynamic_update_slice_in_dim(
-            out, llama.compute_logits(params, x), b * R, axis=0
+            out, llama.compute_logits(params, x, num_rows - b * R), b * R, axis=0
         )
 
     out = jnp.zeros((S + pad, V), jnp.float32)

@@ -25,7 +25,10 @@ Params pytree (every layer weight is stacked on a leading L axis and run by `jax
 
 Weights are stored as [in, out] (the transpose of torch.nn.Linear), so `x @ w` is the layer.
 With `quantization`, the seven linear weights of a layer are `ops.quant.QuantizedWeight`s of
-the same logical shape, and every linear layer runs through `ops.quant.linear`.
+the same logical shape, and every linear layer runs through `ops.quant.linear`. Under the
+"cpu" attention backend the engine holds float32 linear weights as `ops.cpu_linear.PackedWeight`s
+of the same logical shape (the native matmul's panel layout, `cpu_linear.pack_params`), and
+the LM head as one of [1, D, V] (also with tied embeddings, as a second copy).
 """
 
 from __future__ import annotations
@@ -315,9 +318,10 @@ def decoder_layers(
     fp8_cache = is_quantized_cache(kv_cache[0].dtype)
 
     # With the "cpu" backend, steps of up to cpu_linear.MAX_TOKENS tokens multiply float32
-    # weights with the native kernel, which reads layer i of the stacked [L, in, out] array in
-    # place; those weights stay out of the scan's sliced inputs. It multiplies only the
-    # step's real tokens (query_start_loc[-1]), not the bucket's padding.
+    # weights (plain [L, in, out] or pre-packed `cpu_linear.PackedWeight`s) with the native
+    # kernel, which reads layer i of the stacked array in place; those weights stay out of the
+    # scan's sliced inputs. It multiplies only the step's real tokens (query_start_loc[-1]),
+    # not the bucket's padding. Larger steps unpack a pre-packed layer for XLA's dot.
     use_native = attention_backend == "cpu" and T <= cpu_linear.MAX_TOKENS
     native = {
         name: layers[name]
@@ -335,6 +339,8 @@ def decoder_layers(
             if name in native:
                 y = cpu_linear.matmul(x, native[name], layer_idx, num_real_tokens)
                 return y.astype(x.dtype)
+            if isinstance(w[name], cpu_linear.PackedWeight):  # pre-packed, in a large step
+                return quant_linear(x, cpu_linear.unpack_layer(w[name]))
             return quant_linear(x, w[name])
 
         x = rms_norm(h, w["input_norm"], cfg.rms_norm_eps)
@@ -376,8 +382,16 @@ def decoder_layers(
     return h, kv_cache
 
 
-def compute_logits(params: dict[str, Any], hidden: jax.Array) -> jax.Array:
-    """LM head. hidden: [S, D] (already normed) -> logits [S, V] float32."""
+def compute_logits(
+    params: dict[str, Any], hidden: jax.Array, num_rows: jax.Array | int | None = None
+) -> jax.Array:
+    """LM head. hidden: [S, D] (already normed) -> logits [S, V] float32.
+
+    A pre-packed head (`cpu_linear.pack_params`, the "cpu" backend) runs through the native
+    matmul, for the first `num_rows` rows only (the rest: zeros; None: all S).
+    """
+    if isinstance(params.get("lm_head"), cpu_linear.PackedWeight):
+        return cpu_linear.matmul(hidden, params["lm_head"], 0, num_rows)
     if "lm_head" in params:
         logits = hidden @ params["lm_head"]
     else:

@@ -41,7 +41,7 @@ import numpy as np
 
 from pagedjax.models import quant_loader
 from pagedjax.models.llama import LlamaArchConfig, param_shapes
-from pagedjax.ops import quant
+from pagedjax.ops import cpu_linear, quant
 
 logger = logging.getLogger(__name__)
 
@@ -547,7 +547,9 @@ def restore_params(
 def save_converted(
     out: str | Path, cfg: LlamaArchConfig, params: dict[str, Any], tokenizer, origin: str = ""
 ) -> None:
-    """Writes a reloadable folder: config.json, the tokenizer, params/ and a marker file."""
+    """Writes a reloadable folder: config.json, the tokenizer, params/ and a marker file.
+    A running engine's params may be given: pre-packed weights are saved as [L, in, out]."""
+    params = cpu_linear.unpack_params(params, cfg.tie_word_embeddings)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     hf_like = hf_config_dict(cfg, str(params["embed_tokens"].dtype))

@@ -17,6 +17,10 @@
 //     block of x passes over them), then runs the micro-kernel;
 //   - the micro-kernel keeps a 6 x 16 block of y in twelve 8-float registers and does
 //     12 fused multiply-adds per k from one 16-float row of W and six broadcasts of x.
+// The weight is either the stacked [L, K, N] array, packed as above, or already in the
+// packed layout for every layer, [L, ceil(N / 16)][K][16] (rank 4; N is then y's width): the
+// micro-kernel then reads each panel straight from it, one sequential stream, and nothing is
+// packed (pagedjax/ops/cpu_linear.py `pack`).
 // Only the first `rows` rows of x are multiplied (a runtime operand: a step padded to its
 // shape bucket passes its number of real tokens); the rows past it are written as zeros.
 // Work items are spread over XLA's intra-op thread pool.
@@ -42,6 +46,7 @@ namespace {
 constexpr int64_t MR = 6;    // rows of x per micro-kernel call
 constexpr int64_t NR = 16;   // columns of W per micro-panel
 constexpr int64_t KC = 256;  // depth of one packed slice of W
+constexpr int64_t MC = 96;   // rows of x per pass over an item's panels (a multiple of MR)
 constexpr int64_t NP = 4;    // micro-panels per work item at most (NC = NP * NR columns)
 constexpr int64_t kPrefetchRows = 8;  // rows of W ahead that PackW asks for
 
@@ -78,7 +83,8 @@ constexpr MicroFn kMicro[MR + 1] = {nullptr,  Micro<1>, Micro<2>, Micro<3>,
 
 struct Problem {
   const float* x;  // [M, K]
-  const float* w;  // this layer's [K, N]
+  const float* w;  // this layer's [K, N], or its pre-packed panels [ceil(N / NR)][K][NR]
+  bool prepacked = false;
   float* y;        // [M, N]
   int64_t M, K, N;
   int64_t item_cols;      // output columns per work item (a multiple of NR, <= NP * NR)
@@ -122,12 +128,15 @@ void RunItem(const Problem& p, int64_t j0, int64_t cols, float* wp) {
   const int64_t panels = (cols + NR - 1) / NR;
   for (int64_t k0 = 0; k0 < p.K; k0 += KC) {
     const int64_t kc = std::min(KC, p.K - k0);
-    PackW(p, k0, kc, j0, cols, wp);
+    if (!p.prepacked) PackW(p, k0, kc, j0, cols, wp);
+    for (int64_t mc0 = 0; mc0 < p.M; mc0 += MC) {
+    const int64_t mc1 = std::min(p.M, mc0 + MC);
     for (int64_t q = 0; q < panels; ++q) {
       const int64_t c0 = j0 + q * NR;
       const int64_t width = std::min(NR, cols - q * NR);
-      const float* panel = wp + q * KC * NR;
-      for (int64_t m0 = 0; m0 < p.M; m0 += MR) {
+      const float* panel =
+          p.prepacked ? p.w + (c0 / NR) * p.K * NR + k0 * NR : wp + q * KC * NR;
+      for (int64_t m0 = mc0; m0 < mc1; m0 += MR) {
         const MicroFn micro = kMicro[std::min(MR, p.M - m0)];
         const int64_t rows = std::min(MR, p.M - m0);
         const float* xp = p.xp.data() + m0 * p.K + k0 * MR;
@@ -142,6 +151,7 @@ void RunItem(const Problem& p, int64_t j0, int64_t cols, float* wp) {
             std::memcpy(y + r * p.N, tile + r * NR, width * sizeof(float));
         }
       }
+    }
     }
   }
 }
@@ -175,7 +185,8 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
                   ffi::ResultBuffer<ffi::F32> y) {
   auto xd = x.dimensions();
   auto wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 3) return ffi::Error::InvalidArgument("linear: bad ranks");
+  if (xd.size() != 2 || (wd.size() != 3 && wd.size() != 4))
+    return ffi::Error::InvalidArgument("linear: bad ranks");
   const int64_t l = layer.typed_data()[0];
   if (l < 0 || l >= wd[0]) return ffi::Error::InvalidArgument("linear: layer out of range");
   auto shared = std::make_shared<Shared>();
@@ -183,10 +194,14 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
   const int64_t total_rows = xd[0];
   p.M = std::clamp<int64_t>(rows.typed_data()[0], 0, total_rows);
   p.K = xd[1];
-  p.N = wd[2];
-  if (wd[1] != p.K) return ffi::Error::InvalidArgument("linear: x and w disagree on the inner size");
+  p.prepacked = wd.size() == 4;
+  p.N = p.prepacked ? y->dimensions()[1] : wd[2];
+  if (p.prepacked && (wd[2] != p.K || wd[3] != NR || wd[1] * NR < p.N))
+    return ffi::Error::InvalidArgument("linear: bad pre-packed weight shape");
+  if (!p.prepacked && wd[1] != p.K)
+    return ffi::Error::InvalidArgument("linear: x and w disagree on the inner size");
   p.x = x.typed_data();
-  p.w = w.typed_data() + l * wd[1] * wd[2];
+  p.w = w.typed_data() + l * wd[1] * wd[2] * (p.prepacked ? wd[3] : 1);
   p.y = y->typed_data();
   std::fill(p.y + p.M * p.N, p.y + total_rows * p.N, 0.0f);  // padding rows
   if (p.M == 0 || p.N == 0) return ffi::Error::Success();
@@ -213,7 +228,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LinearCpu, Linear,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // w [L, K, N]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // w [L, K, N] or [L, P, K, 16]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer []
                                   .Arg<ffi::Buffer<ffi::S32>>()  // rows []: rows of x to multiply
                                   .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
