@@ -13,14 +13,16 @@
 //     (xp[m / 6][k][6], zero rows past M), so the micro-kernel reads it as one stream;
 //   - a work item is up to NC = 64 output columns (fewer when W is narrow, so that each
 //     thread gets about eight); for each KC = 256 slice of K it packs W[k0 : k0 + KC, cols]
-//     into micro-panels of NR = 16 columns (16 KB each, they stay in L1 while every row
-//     block of x passes over them), then runs the micro-kernel;
+//     into micro-panels of NR = 16 columns (16 KB each, they stay in L1 while the row
+//     blocks of x pass over them, MC = 96 rows at a time so that those stay in L2), then
+//     runs the micro-kernel;
 //   - the micro-kernel keeps a 6 x 16 block of y in twelve 8-float registers and does
 //     12 fused multiply-adds per k from one 16-float row of W and six broadcasts of x.
 // The weight is either the stacked [L, K, N] array, packed as above, or already in the
-// packed layout for every layer, [L, ceil(N / 16)][K][16] (rank 4; N is then y's width): the
-// micro-kernel then reads each panel straight from it, one sequential stream, and nothing is
-// packed (pagedjax/ops/cpu_linear.py `pack`).
+// packed layout for every layer, [L][ceil(N / 16)][K][16] (rank 4; N is then y's width): the
+// micro-kernel then reads each panel straight from it, one sequential stream that the
+// hardware prefetcher follows, and nothing is packed (pagedjax/ops/cpu_linear.py `pack`; the
+// engine holds its float32 weights this way under the "cpu" backend).
 // Only the first `rows` rows of x are multiplied (a runtime operand: a step padded to its
 // shape bucket passes its number of real tokens); the rows past it are written as zeros.
 // Work items are spread over XLA's intra-op thread pool.
