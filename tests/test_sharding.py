@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from pagedjax.ops.quant import LINEAR_WEIGHTS
 from pagedjax.sharding.mesh import device_grid
 from pagedjax.sharding.rules import ShardingPlan
 
@@ -55,6 +56,21 @@ def expected_shards(tp: int, pp: int = 1) -> dict[str, list[int]]:
         s["['layers']['k_proj']"][2] //= tp
         s["['layers']['v_proj']"][2] //= tp
     return s
+
+
+def prepacked_shapes(shapes: dict[str, list[int]]) -> dict[str, list[int]]:
+    """The "cpu" backend's params (`cpu_linear.pack_params`): each linear weight [L, K, N]
+    held as panels [L, ceil(N / 16), K, 16], the LM head [D, V] as [1, ceil(V / 16), D, 16]."""
+    out = {}
+    for key, shape in shapes.items():
+        if key == "['lm_head']":
+            shape = [1, *shape]
+        elif not any(f"['{n}']" in key for n in LINEAR_WEIGHTS):
+            out[key] = shape
+            continue
+        L, K, N = shape
+        out[key + ".panels"] = [L, -(-N // 16), K, 16]
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -111,6 +127,8 @@ def test_per_device_shard_shapes(report, layout, tp, pp, replicas):
     devices = [d for r in reps for d in r["devices"]]
     assert len(devices) == len(set(devices)) == tp * pp * replicas  # disjoint slices
     want = expected_shards(tp, pp)
+    if layout == "single":  # one CPU device: "auto" is the "cpu" backend, weights pre-packed
+        want = prepacked_shapes(want)
     for rep in reps:
         assert set(rep["params"]) == set(want)
         for name, shapes in rep["params"].items():

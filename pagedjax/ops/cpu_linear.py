@@ -15,7 +15,7 @@ with XLA's dot on each layer's weight unpacked (`unpack_layer`, a transposing co
 a dot of that size).
 
 Part of the "cpu" backend: `models.llama` runs the float32 linear layers of steps of up to
-`MAX_TOKENS` tokens through it.
+`MAX_TOKENS` tokens, and a pre-packed LM head, through it, on the step's real rows only.
 """
 
 from __future__ import annotations
