@@ -284,8 +284,8 @@ class EngineArgs:
     attention_backend: str = _field(
         "auto",
         "Attention implementation ('auto': pallas on GPU; on CPU, the native 'cpu' kernels "
-        "(attention, and the float32 matmul of decode steps) on one device when a C++ "
-        "compiler builds them, else xla).",
+        "(attention, and the float32 matmul of decode steps and the LM head) on one device "
+        "when a C++ compiler builds them, else xla).",
         choices=ATTENTION_BACKENDS,
     )
     max_logprobs: int = _field(20, "Most logprobs / prompt_logprobs a request may ask for.")

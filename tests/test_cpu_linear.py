@@ -27,13 +27,12 @@ from pagedjax.ops.quant import LINEAR_WEIGHTS, quantize_params
         (7, 64, 1000),  # many work items, the last one partial
     ],
 )
-@pytest.mark.parametrize("prepacked", [False, True])
-def test_matmul_matches_numpy(M, K, N, prepacked):
+def test_matmul_matches_numpy(M, K, N):
     rng = np.random.default_rng(M * K + N)
     L = 3
     w = rng.standard_normal((L, K, N)).astype(np.float32)
     x = rng.standard_normal((M, K)).astype(np.float32)
-    weight = cpu_linear.pack(jnp.asarray(w)) if prepacked else w
+    weight = cpu_linear.pack(jnp.asarray(w))
     f = jax.jit(cpu_linear.matmul)
     for i in range(L):
         got = np.asarray(f(x, weight, i))
@@ -48,7 +47,7 @@ def test_matmul_multiplies_only_num_rows(num_rows):
     rng = np.random.default_rng(num_rows)
     w = rng.standard_normal((2, 300, 40)).astype(np.float32)
     x = rng.standard_normal((13, 300)).astype(np.float32)
-    got = np.asarray(jax.jit(cpu_linear.matmul)(x, w, 1, num_rows))
+    got = np.asarray(jax.jit(cpu_linear.matmul)(x, cpu_linear.pack(jnp.asarray(w)), 1, num_rows))
     n = min(num_rows, 13)
     want = x[:n].astype(np.float64) @ w[1].astype(np.float64)
     np.testing.assert_allclose(got[:n], want, rtol=1e-5, atol=1e-5 * np.sqrt(300))
@@ -56,7 +55,8 @@ def test_matmul_multiplies_only_num_rows(num_rows):
 
 
 def test_pack_layout_and_unpack():
-    """panels[l, p, k, c] = W[l, k, 16 p + c], zeros past N; unpack_layer inverts a layer."""
+    """panels[l, p, k, c] = W[l, k, 16 p + c], zeros past N; unpack inverts the stack and
+    one layer's slice."""
     w = np.arange(2 * 3 * 20, dtype=np.float32).reshape(2, 3, 20)
     packed = cpu_linear.pack(jnp.asarray(w))
     assert packed.panels.shape == (2, 2, 3, 16) and packed.shape == (2, 3, 20)
@@ -64,7 +64,8 @@ def test_pack_layout_and_unpack():
     assert panels[1, 1, 2, 3] == w[1, 2, 19] and panels[0, 0, 1, 5] == w[0, 1, 5]
     assert not panels[:, 1, :, 4:].any()
     layer = jax.tree.map(lambda a: a[1], packed)
-    np.testing.assert_array_equal(np.asarray(cpu_linear.unpack_layer(layer)), w[1])
+    np.testing.assert_array_equal(np.asarray(cpu_linear.unpack(layer)), w[1])
+    np.testing.assert_array_equal(np.asarray(cpu_linear.unpack(packed)), w)
     with pytest.raises(ValueError, match="float32 \\[L, K, N\\]"):
         cpu_linear.pack(jnp.ones((3, 4), jnp.float32))
 
@@ -74,9 +75,10 @@ def test_matmul_layer_index_inside_scan():
     rng = np.random.default_rng(0)
     w = rng.standard_normal((4, 32, 48)).astype(np.float32)
     x = rng.standard_normal((6, 32)).astype(np.float32)
+    packed = cpu_linear.pack(jnp.asarray(w))
 
     def body(carry, i):
-        return carry, cpu_linear.matmul(x, jnp.asarray(w), i)
+        return carry, cpu_linear.matmul(x, packed, i)
 
     _, ys = jax.jit(lambda: jax.lax.scan(body, 0, jnp.arange(4)))()
     np.testing.assert_allclose(np.asarray(ys), np.einsum("mk,lkn->lmn", x, w), rtol=1e-5, atol=1e-4)
@@ -84,10 +86,12 @@ def test_matmul_layer_index_inside_scan():
 
 def test_matmul_rejects_bad_input():
     x = jnp.ones((2, 8), jnp.float32)
-    with pytest.raises(ValueError, match="float32 weights, not bfloat16"):
-        cpu_linear.matmul(x, jnp.ones((1, 8, 4), jnp.bfloat16))
+    with pytest.raises(ValueError, match="takes a PackedWeight"):
+        cpu_linear.matmul(x, jnp.ones((1, 8, 4), jnp.float32))  # not packed
+    with pytest.raises(ValueError, match="float32 \\[L, K, N\\] weight, not bfloat16"):
+        cpu_linear.pack(jnp.ones((1, 8, 4), jnp.bfloat16))
     with pytest.raises(ValueError, match="disagree on K"):
-        cpu_linear.matmul(x, jnp.ones((1, 9, 4), jnp.float32))
+        cpu_linear.matmul(x, cpu_linear.pack(jnp.ones((1, 9, 4), jnp.float32)))
     assert not cpu_linear.supports(jnp.ones((2, 2), jnp.bfloat16))
 
 
@@ -121,24 +125,26 @@ def _lowered_step(params, cfg, backend, num_tokens):
 
 
 def test_model_uses_the_native_matmul_only_where_it_should(tiny_llama_dir):
-    """Under "cpu", a step of up to MAX_TOKENS tokens runs its seven float32 linear layers
-    through the native matmul (so the model-vs-HF tests cover it); a larger step, another
-    backend, or quantized weights keep XLA's dot."""
+    """Under "cpu", a step of up to MAX_TOKENS tokens runs its seven pre-packed linear layers
+    through the native matmul (so the "cpu-prepacked" model-vs-HF tests cover it); a larger
+    step, another backend, plain (not packed) or quantized weights keep XLA's dot."""
     source = loader.resolve_model_source(str(tiny_llama_dir))
     cfg = loader.load_arch_config(source)
     params = loader.load_params(source, cfg, "float32")
-    assert _lowered_step(params, cfg, "cpu", 8).count(cpu_linear.TARGET) == 7
-    assert cpu_linear.TARGET not in _lowered_step(params, cfg, "xla", 8)
-    assert cpu_linear.TARGET not in _lowered_step(params, cfg, "cpu", cpu_linear.MAX_TOKENS + 1)
+    packed = cpu_linear.pack_params(params)
+    assert _lowered_step(packed, cfg, "cpu", 8).count(cpu_linear.TARGET) == 7
+    assert cpu_linear.TARGET not in _lowered_step(packed, cfg, "xla", 8)
+    assert cpu_linear.TARGET not in _lowered_step(packed, cfg, "cpu", cpu_linear.MAX_TOKENS + 1)
+    assert cpu_linear.TARGET not in _lowered_step(params, cfg, "cpu", 8)
     int8 = quantize_params(params, "int8")
     assert cpu_linear.TARGET not in _lowered_step(int8, cfg, "cpu", 8)
 
 
 def test_model_with_prepacked_weights(tiny_llama_dir, tmp_path):
-    """The engine's pre-packed float32 weights (`pack_params`) give the plain weights' hidden
-    states through the native matmul (small step) and through XLA's dot on unpacked layers
-    (a step over MAX_TOKENS), and are saved as plain weights; quantized weights are left as
-    they are."""
+    """The engine's pre-packed float32 weights (`pack_params`) give the hidden states of the
+    plain weights under XLA's dot, through the native matmul (small step) and through XLA's
+    dot on unpacked layers (a step over MAX_TOKENS), and are saved as plain weights;
+    quantized weights are left as they are."""
     source = loader.resolve_model_source(str(tiny_llama_dir))
     cfg = loader.load_arch_config(source)
     params = loader.load_params(source, cfg, "float32")

@@ -285,8 +285,8 @@ def forward(
         md: attention metadata for the step (slot mapping, block tables, sequence lengths).
         cfg: the architecture (static).
         attention_backend: "xla", "cpu", "reference" or "pallas" (static). "cpu" also runs
-            the float32 linear layers of steps of up to `cpu_linear.MAX_TOKENS` tokens
-            through the native CPU matmul.
+            pre-packed linear weights (`cpu_linear.pack_params`) of steps of up to
+            `cpu_linear.MAX_TOKENS` tokens through the native CPU matmul.
 
     Returns:
         hidden states after the final norm [T, D] in the params dtype, and the updated cache.
@@ -317,16 +317,16 @@ def decoder_layers(
     T = h.shape[0]
     fp8_cache = is_quantized_cache(kv_cache[0].dtype)
 
-    # With the "cpu" backend, steps of up to cpu_linear.MAX_TOKENS tokens multiply float32
-    # weights (plain [L, in, out] or pre-packed `cpu_linear.PackedWeight`s) with the native
-    # kernel, which reads layer i of the stacked array in place; those weights stay out of the
-    # scan's sliced inputs. It multiplies only the step's real tokens (query_start_loc[-1]),
-    # not the bucket's padding. Larger steps unpack a pre-packed layer for XLA's dot.
+    # With the "cpu" backend, steps of up to cpu_linear.MAX_TOKENS tokens multiply pre-packed
+    # weights (`cpu_linear.PackedWeight`s, as the engine holds float32 weights) with the
+    # native kernel, which reads layer i of the stacked array in place; those weights stay out
+    # of the scan's sliced inputs. It multiplies only the step's real tokens
+    # (query_start_loc[-1]), not the bucket's padding. Larger steps unpack each layer for XLA.
     use_native = attention_backend == "cpu" and T <= cpu_linear.MAX_TOKENS
     native = {
         name: layers[name]
         for name in LINEAR_WEIGHTS
-        if use_native and cpu_linear.supports(layers[name])
+        if use_native and isinstance(layers[name], cpu_linear.PackedWeight)
     }
     scanned = {name: w for name, w in layers.items() if name not in native}
     num_real_tokens = md.query_start_loc[-1]
@@ -340,7 +340,7 @@ def decoder_layers(
                 y = cpu_linear.matmul(x, native[name], layer_idx, num_real_tokens)
                 return y.astype(x.dtype)
             if isinstance(w[name], cpu_linear.PackedWeight):  # pre-packed, in a large step
-                return quant_linear(x, cpu_linear.unpack_layer(w[name]))
+                return quant_linear(x, cpu_linear.unpack(w[name]))
             return quant_linear(x, w[name])
 
         x = rms_norm(h, w["input_norm"], cfg.rms_norm_eps)

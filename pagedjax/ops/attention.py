@@ -12,8 +12,9 @@ Implementations (all share `tests/test_attention.py`):
                  runs anywhere, sharded or not.
     "cpu"        `cpu_attention.paged_attention`: a native C++ kernel (an XLA FFI custom
                  call) that reads pages in place; the fast path on one CPU device. The
-                 model also runs its float32 linear layers of decode-sized steps through
-                 the native `cpu_linear.matmul` under this backend.
+                 engine holds float32 weights pre-packed under this backend, and the model
+                 runs the linear layers of decode-sized steps and the LM head through the
+                 native `cpu_linear.matmul`.
     "pallas"     `paged_attention_pallas`: the Pallas kernel (GPU; `interpret=True` on CPU).
 """
 

@@ -6,13 +6,12 @@ copy costs about half as much as the dot. `csrc/linear_cpu.cc` takes the whole s
 and the layer index and reads the layer in place, with a blocked GEMM (packed operands, a
 6 x 16 register micro-kernel) over XLA's intra-op thread pool.
 
-The weight is either a plain [L, K, N] array, which the kernel packs into 16-column panels as
-it goes, or a `PackedWeight` that holds it in that panel layout already (`pack`): then the
-kernel reads each panel as one sequential stream and packs nothing, which at decode sizes
-takes 10-40 % off each matmul. The engine pre-packs the float32 linear weights once at load
-under the "cpu" backend (`pack_params`); steps larger than `MAX_TOKENS` tokens then multiply
-with XLA's dot on each layer's weight unpacked (`unpack_layer`, a transposing copy small next to
-a dot of that size).
+The kernel takes its weight pre-packed in the micro-kernel's 16-column panel layout, a
+`PackedWeight` (`pack`), and reads each panel as one sequential stream (at decode sizes 10-40 %
+faster than packing the weight on each call). The engine packs the float32 linear weights and
+the LM head once at load under the "cpu" backend (`pack_params`); steps larger than
+`MAX_TOKENS` tokens multiply with XLA's dot on each layer unpacked (`unpack`, a transposing
+copy small next to a dot of that size).
 
 Part of the "cpu" backend: `models.llama` runs the float32 linear layers of steps of up to
 `MAX_TOKENS` tokens, and a pre-packed LM head, through it, on the step's real rows only.
@@ -74,10 +73,11 @@ def pack(w: jax.Array) -> PackedWeight:
     return PackedWeight(padded.reshape(L, K, P, PANEL).transpose(0, 2, 1, 3), N)
 
 
-def unpack_layer(w: PackedWeight) -> jax.Array:
-    """One layer's `PackedWeight` (panels [P, K, 16]) -> its [K, N] array (a copy)."""
-    P, K, _ = w.panels.shape
-    return w.panels.transpose(1, 0, 2).reshape(K, P * PANEL)[:, : w.n]
+def unpack(w: PackedWeight) -> jax.Array:
+    """`pack` undone (a copy): panels [..., P, K, 16] -> [..., K, N], for the whole stack or
+    one layer's slice of it."""
+    *lead, P, K, _ = w.panels.shape
+    return jnp.swapaxes(w.panels, -3, -2).reshape(*lead, K, P * PANEL)[..., : w.n]
 
 
 def pack_params(params: dict) -> dict:
@@ -103,16 +103,11 @@ def pack_params(params: dict) -> dict:
     return out
 
 
-def _unpacked(w: PackedWeight) -> jax.Array:
-    L, P, K, _ = w.panels.shape
-    return w.panels.transpose(0, 2, 1, 3).reshape(L, K, P * PANEL)[:, :, : w.n]
-
-
 def unpack_params(params: dict, tie_word_embeddings: bool) -> dict:
     """`pack_params` undone: every `PackedWeight` back to [L, K, N] (the LM head to [D, V],
     or dropped when `tie_word_embeddings`)."""
     layers = {
-        name: _unpacked(w) if isinstance(w, PackedWeight) else w
+        name: unpack(w) if isinstance(w, PackedWeight) else w
         for name, w in params["layers"].items()
     }
     out = {**params, "layers": layers}
@@ -120,21 +115,18 @@ def unpack_params(params: dict, tie_word_embeddings: bool) -> dict:
         if tie_word_embeddings:
             del out["lm_head"]
         else:
-            out["lm_head"] = _unpacked(out["lm_head"])[0]
+            out["lm_head"] = unpack(out["lm_head"])[0]
     return out
 
 
 def supports(w) -> bool:
-    """True for a weight the kernel multiplies: a float32 array or a `PackedWeight` (not a
-    quantized weight)."""
-    if isinstance(w, PackedWeight):
-        return True
+    """True for a weight `pack_params` packs: a float32 array (not a quantized weight)."""
     return isinstance(w, jax.Array | np.ndarray) and jnp.dtype(w.dtype) == jnp.float32
 
 
 def matmul(
     x: jax.Array,
-    w: jax.Array | PackedWeight,
+    w: PackedWeight,
     layer: jax.Array | int = 0,
     num_rows: jax.Array | int | None = None,
 ) -> jax.Array:
@@ -142,7 +134,7 @@ def matmul(
 
     Args:
         x: [M, K] activations (any float dtype; computed in float32).
-        w: float32 [L, K, N] stacked weights, or their `PackedWeight`.
+        w: a `PackedWeight` of float32 [L, K, N] stacked weights.
         layer: scalar int32 index into the L axis (traced or not).
         num_rows: scalar int32 (traced or not): only rows [0, num_rows) of x are multiplied,
             the others give zeros; clipped to [0, M]. None: all M. A step padded to its
@@ -153,22 +145,21 @@ def matmul(
 
     Raises:
         RuntimeError: the kernels are unavailable (`cpu_kernels.available()` is False).
-        ValueError: w is not float32, or the shapes disagree.
+        ValueError: w is not a `PackedWeight` ([L, K, N] float32), or the shapes disagree.
     """
     if not available():
         raise RuntimeError(f"native CPU kernels unavailable: {unavailable_reason()}")
-    if jnp.dtype(w.dtype) != jnp.float32:
-        raise ValueError(f"native CPU matmul multiplies float32 weights, not {w.dtype}")
-    if x.ndim != 2 or len(w.shape) != 3 or x.shape[1] != w.shape[1]:
+    if not isinstance(w, PackedWeight) or len(w.shape) != 3:
+        raise ValueError(f"native CPU matmul takes a PackedWeight of [L, K, N], not {w!r:.80}")
+    if x.ndim != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(
             f"native CPU matmul: x [M, K] and w [L, K, N] disagree on K: {x.shape}, {w.shape}"
         )
-    data = w.panels if isinstance(w, PackedWeight) else w
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], w.shape[2]), jnp.float32))
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], w.n), jnp.float32))
     rows = x.shape[0] if num_rows is None else num_rows
     return call(
         x.astype(jnp.float32),
-        data,
+        w.panels,
         jnp.asarray(layer, jnp.int32).reshape(()),
         jnp.asarray(rows, jnp.int32).reshape(()),
     )

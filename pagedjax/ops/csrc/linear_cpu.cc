@@ -9,20 +9,18 @@
 // Algorithm: the blocked GEMM of Goto & van de Geijn ("Anatomy of high-performance matrix
 // multiplication", ACM TOMS 2008) in the loop order of BLIS (Van Zee & van de Geijn, 2015),
 // reduced to what these shapes need:
+//   - W comes pre-packed for every layer, [L][ceil(N / 16)][K][16] (pagedjax/ops/cpu_linear.py
+//     `pack`; the engine holds its float32 weights this way under the "cpu" backend): a
+//     micro-panel of NR = 16 columns is one sequential stream, which the hardware prefetcher
+//     follows, and nothing of W is copied per call;
 //   - x [M, K] is packed once per call into micro-panels of MR = 6 rows, k-major
 //     (xp[m / 6][k][6], zero rows past M), so the micro-kernel reads it as one stream;
 //   - a work item is up to NC = 64 output columns (fewer when W is narrow, so that each
-//     thread gets about eight); for each KC = 256 slice of K it packs W[k0 : k0 + KC, cols]
-//     into micro-panels of NR = 16 columns (16 KB each, they stay in L1 while the row
-//     blocks of x pass over them, MC = 96 rows at a time so that those stay in L2), then
-//     runs the micro-kernel;
+//     thread gets about eight); for each KC = 256 slice of K, each 16 KB slice of a panel
+//     stays in L1 while the row blocks of x pass over it, MC = 96 rows at a time so that
+//     those stay in L2;
 //   - the micro-kernel keeps a 6 x 16 block of y in twelve 8-float registers and does
 //     12 fused multiply-adds per k from one 16-float row of W and six broadcasts of x.
-// The weight is either the stacked [L, K, N] array, packed as above, or already in the
-// packed layout for every layer, [L][ceil(N / 16)][K][16] (rank 4; N is then y's width): the
-// micro-kernel then reads each panel straight from it, one sequential stream that the
-// hardware prefetcher follows, and nothing is packed (pagedjax/ops/cpu_linear.py `pack`; the
-// engine holds its float32 weights this way under the "cpu" backend).
 // Only the first `rows` rows of x are multiplied (a runtime operand: a step padded to its
 // shape bucket passes its number of real tokens); the rows past it are written as zeros.
 // Work items are spread over XLA's intra-op thread pool.
@@ -47,10 +45,9 @@ namespace {
 
 constexpr int64_t MR = 6;    // rows of x per micro-kernel call
 constexpr int64_t NR = 16;   // columns of W per micro-panel
-constexpr int64_t KC = 256;  // depth of one packed slice of W
+constexpr int64_t KC = 256;  // depth of one slice of a W panel
 constexpr int64_t MC = 96;   // rows of x per pass over an item's panels (a multiple of MR)
 constexpr int64_t NP = 4;    // micro-panels per work item at most (NC = NP * NR columns)
-constexpr int64_t kPrefetchRows = 8;  // rows of W ahead that PackW asks for
 
 // y[0:R, 0:16] (+)= xp[0:kc][0:R] @ wp[0:kc][0:16]; ldy is y's row stride.
 template <int R>
@@ -85,8 +82,7 @@ constexpr MicroFn kMicro[MR + 1] = {nullptr,  Micro<1>, Micro<2>, Micro<3>,
 
 struct Problem {
   const float* x;  // [M, K]
-  const float* w;  // this layer's [K, N], or its pre-packed panels [ceil(N / NR)][K][NR]
-  bool prepacked = false;
+  const float* w;  // this layer's panels [ceil(N / NR)][K][NR]
   float* y;        // [M, N]
   int64_t M, K, N;
   int64_t item_cols;      // output columns per work item (a multiple of NR, <= NP * NR)
@@ -106,54 +102,34 @@ void PackX(Problem& p) {
   }
 }
 
-// Packs W[k0 : k0 + kc, j0 : j0 + cols] into micro-panels wp[panel][k][NR] (zero columns
-// past `cols`).
-void PackW(const Problem& p, int64_t k0, int64_t kc, int64_t j0, int64_t cols, float* wp) {
-  const int64_t panels = (cols + NR - 1) / NR;
-  if (cols % NR) std::fill(wp, wp + panels * KC * NR, 0.0f);
-  // Row by row: each row's `cols` floats are contiguous. Rows are a page or more apart, which
-  // the hardware prefetcher does not follow, so the rows ahead are asked for.
-  for (int64_t k = 0; k < kc; ++k) {
-    const float* src = p.w + (k0 + k) * p.N + j0;
-    const float* ahead = src + kPrefetchRows * p.N;
-    for (int64_t c = 0; c < cols; c += 16) __builtin_prefetch(ahead + c);
-    for (int64_t q = 0; q < panels; ++q) {
-      const int64_t width = std::min(NR, cols - q * NR);
-      std::memcpy(wp + q * KC * NR + k * NR, src + q * NR, width * sizeof(float));
-    }
-  }
-}
-
 // Output columns [j0, j0 + cols), cols <= item_cols.
-void RunItem(const Problem& p, int64_t j0, int64_t cols, float* wp) {
+void RunItem(const Problem& p, int64_t j0, int64_t cols) {
   alignas(32) float tile[MR * NR];  // a partial micro-panel's output, before its copy to y
   const int64_t panels = (cols + NR - 1) / NR;
   for (int64_t k0 = 0; k0 < p.K; k0 += KC) {
     const int64_t kc = std::min(KC, p.K - k0);
-    if (!p.prepacked) PackW(p, k0, kc, j0, cols, wp);
     for (int64_t mc0 = 0; mc0 < p.M; mc0 += MC) {
-    const int64_t mc1 = std::min(p.M, mc0 + MC);
-    for (int64_t q = 0; q < panels; ++q) {
-      const int64_t c0 = j0 + q * NR;
-      const int64_t width = std::min(NR, cols - q * NR);
-      const float* panel =
-          p.prepacked ? p.w + (c0 / NR) * p.K * NR + k0 * NR : wp + q * KC * NR;
-      for (int64_t m0 = mc0; m0 < mc1; m0 += MR) {
-        const MicroFn micro = kMicro[std::min(MR, p.M - m0)];
-        const int64_t rows = std::min(MR, p.M - m0);
-        const float* xp = p.xp.data() + m0 * p.K + k0 * MR;
-        float* y = p.y + m0 * p.N + c0;
-        if (width == NR) {
-          micro(xp, panel, kc, y, p.N, k0 > 0);
-        } else {
-          for (int64_t r = 0; r < rows; ++r)
-            for (int64_t c = 0; c < NR; ++c) tile[r * NR + c] = c < width ? y[r * p.N + c] : 0.0f;
-          micro(xp, panel, kc, tile, NR, k0 > 0);
-          for (int64_t r = 0; r < rows; ++r)
-            std::memcpy(y + r * p.N, tile + r * NR, width * sizeof(float));
+      const int64_t mc1 = std::min(p.M, mc0 + MC);
+      for (int64_t q = 0; q < panels; ++q) {
+        const int64_t c0 = j0 + q * NR;
+        const int64_t width = std::min(NR, cols - q * NR);
+        const float* panel = p.w + (c0 / NR) * p.K * NR + k0 * NR;
+        for (int64_t m0 = mc0; m0 < mc1; m0 += MR) {
+          const int64_t rows = std::min(MR, p.M - m0);
+          const MicroFn micro = kMicro[rows];
+          const float* xp = p.xp.data() + m0 * p.K + k0 * MR;
+          float* y = p.y + m0 * p.N + c0;
+          if (width == NR) {
+            micro(xp, panel, kc, y, p.N, k0 > 0);
+          } else {
+            for (int64_t r = 0; r < rows; ++r)
+              for (int64_t c = 0; c < NR; ++c) tile[r * NR + c] = c < width ? y[r * p.N + c] : 0.0f;
+            micro(xp, panel, kc, tile, NR, k0 > 0);
+            for (int64_t r = 0; r < rows; ++r)
+              std::memcpy(y + r * p.N, tile + r * NR, width * sizeof(float));
+          }
         }
       }
-    }
     }
   }
 }
@@ -171,10 +147,9 @@ struct Shared {
 };
 
 void Drain(Shared& sh) {
-  alignas(64) thread_local static float wp[NP * KC * NR];
   for (int64_t i; (i = sh.next.fetch_add(1)) < sh.items;) {
     const int64_t j0 = i * sh.p.item_cols;
-    RunItem(sh.p, j0, std::min(sh.p.item_cols, sh.p.N - j0), wp);
+    RunItem(sh.p, j0, std::min(sh.p.item_cols, sh.p.N - j0));
     if (sh.done.fetch_add(1) + 1 == sh.items) {
       std::lock_guard<std::mutex> lock(sh.mu);
       sh.cv.notify_all();
@@ -187,8 +162,7 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
                   ffi::ResultBuffer<ffi::F32> y) {
   auto xd = x.dimensions();
   auto wd = w.dimensions();
-  if (xd.size() != 2 || (wd.size() != 3 && wd.size() != 4))
-    return ffi::Error::InvalidArgument("linear: bad ranks");
+  if (xd.size() != 2 || wd.size() != 4) return ffi::Error::InvalidArgument("linear: bad ranks");
   const int64_t l = layer.typed_data()[0];
   if (l < 0 || l >= wd[0]) return ffi::Error::InvalidArgument("linear: layer out of range");
   auto shared = std::make_shared<Shared>();
@@ -196,14 +170,11 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
   const int64_t total_rows = xd[0];
   p.M = std::clamp<int64_t>(rows.typed_data()[0], 0, total_rows);
   p.K = xd[1];
-  p.prepacked = wd.size() == 4;
-  p.N = p.prepacked ? y->dimensions()[1] : wd[2];
-  if (p.prepacked && (wd[2] != p.K || wd[3] != NR || wd[1] * NR < p.N))
+  p.N = y->dimensions()[1];
+  if (wd[2] != p.K || wd[3] != NR || wd[1] * NR < p.N)
     return ffi::Error::InvalidArgument("linear: bad pre-packed weight shape");
-  if (!p.prepacked && wd[1] != p.K)
-    return ffi::Error::InvalidArgument("linear: x and w disagree on the inner size");
   p.x = x.typed_data();
-  p.w = w.typed_data() + l * wd[1] * wd[2] * (p.prepacked ? wd[3] : 1);
+  p.w = w.typed_data() + l * wd[1] * wd[2] * wd[3];
   p.y = y->typed_data();
   std::fill(p.y + p.M * p.N, p.y + total_rows * p.N, 0.0f);  // padding rows
   if (p.M == 0 || p.N == 0) return ffi::Error::Success();
@@ -230,7 +201,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LinearCpu, Linear,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // w [L, K, N] or [L, P, K, 16]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // w [L, ceil(N / 16), K, 16]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer []
                                   .Arg<ffi::Buffer<ffi::S32>>()  // rows []: rows of x to multiply
                                   .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
