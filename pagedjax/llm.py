@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 
 from pagedjax.config import EngineArgs
 from pagedjax.engine.dp_engine import create_engine
+from pagedjax.errors import InvalidInputError
 from pagedjax.inputs import PromptType
 from pagedjax.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from pagedjax.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
@@ -210,7 +211,7 @@ class LLM:
                 try:
                     engine.add_request(rid, prompt, params, priority=priority[i] if priority else 0)
                 except ValueError as e:
-                    raise ValueError(f"prompt {i}: {e}") from e
+                    raise InvalidInputError(f"prompt {i}: {e}", getattr(e, "param", None)) from e
                 ids.append(rid)
         except ValueError:
             engine.abort_request(ids)

@@ -10,6 +10,7 @@ import pytest
 from pagedjax import SamplingParams
 from pagedjax.config import EngineArgs
 from pagedjax.engine.runner import compile_count
+from pagedjax.errors import InvalidInputError
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 
@@ -24,9 +25,11 @@ def _assert_idle_and_whole(llm):
     pool = eng.kv_cache_manager.pool
     assert pool.num_free_blocks == pool.num_usable_blocks, "a block leaked"
     assert all(c == 0 for c in pool.ref_cnt)
-    assert not eng.runner.requests or all(
-        rid not in eng.scheduler.requests for rid in eng.runner.requests
-    )
+    # The runner forgets a finished request's row at the next step, when the scheduler tells
+    # it: every row it still holds must be one that the scheduler will tell it to drop.
+    runner = eng.runner
+    assert set(runner.requests) <= eng.scheduler.finished_req_ids
+    assert len(runner._free_slots) + len(runner.requests) == runner.num_slots - 1
 
 
 @pytest.fixture(scope="module")
@@ -172,22 +175,30 @@ def test_n_samples_share_the_prompt(llm16, prompts8):
 
 
 @pytest.mark.parametrize(
-    "prompt,params,match",
+    "prompt,params,match,param",
     [
-        ("", GREEDY, "empty"),
-        ({"prompt_token_ids": []}, GREEDY, "empty"),
-        ({"prompt_token_ids": [5] * 129}, GREEDY, "max_model_len=128"),
-        ({"prompt_token_ids": [5, 100000]}, GREEDY, "vocabulary"),
-        (3.5, GREEDY, "prompt must be"),
-        ("hi", SamplingParams(logprobs=21), "max_logprobs"),
-        ("hi", SamplingParams(logit_bias={5000: 1.0}), "logit_bias"),
+        ("", GREEDY, "empty", "prompt"),
+        ({"prompt_token_ids": []}, GREEDY, "empty", "prompt"),
+        ({"prompt_token_ids": [5] * 129}, GREEDY, "max_model_len=128", "prompt"),
+        ({"prompt_token_ids": [5, 100000]}, GREEDY, "vocabulary", "prompt"),
+        (3.5, GREEDY, "prompt must be", "prompt"),
+        ("hi", SamplingParams(logprobs=21), "max_logprobs", "logprobs"),
+        ("hi", SamplingParams(logit_bias={5000: 1.0}), "logit_bias", "logit_bias"),
+        ("hi", SamplingParams(truncate_prompt_tokens=129), "truncate", "truncate_prompt_tokens"),
+        (
+            "hi",
+            SamplingParams(min_tokens=1, stop_token_ids=list(range(16))),
+            "at most 15",
+            "stop_token_ids",
+        ),
     ],
 )
 def test_bad_input_is_a_value_error_and_the_engine_keeps_serving(
-    llm16, prompts8, hf_greedy_cache, prompt, params, match
+    llm16, prompts8, hf_greedy_cache, prompt, params, match, param
 ):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(InvalidInputError, match=match) as e:
         llm16.generate([{"prompt_token_ids": prompts8[0]}, prompt], params, use_tqdm=False)
+    assert e.value.param == param
     _assert_idle_and_whole(llm16)
     out = llm16.generate({"prompt_token_ids": prompts8[1]}, GREEDY, use_tqdm=False)
     assert out[0].outputs[0].token_ids == hf_greedy_cache(prompts8[1], 10)

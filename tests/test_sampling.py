@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pagedjax.engine.input_batch import MAX_BANNED
 from pagedjax.ops.sampling import (
-    MAX_BANNED,
     SamplingMetadata,
     apply_min_p,
     apply_penalties,

@@ -265,10 +265,10 @@ def test_detokenizer_deltas_join_to_the_full_decode(smol_tokenizer):
         prompt = tok("Hi").input_ids
         d = IncrementalDetokenizer(tok, prompt, SamplingParams(skip_special_tokens=skip_special))
         deltas = []
-        for t in tokens:
-            d.update([t])
+        for i in range(len(tokens)):
+            d.update(tokens[: i + 1])
             deltas.append(d.get_text(False, True))
-        d.flush()
+        d.flush(tokens)
         deltas.append(d.get_text(True, True))
         full = tok.decode(prompt + tokens, skip_special_tokens=skip_special)[
             len(tok.decode(prompt, skip_special_tokens=skip_special)) :
@@ -333,14 +333,15 @@ def test_streamed_text_holds_back_a_possible_stop_string(llm):
 
     tok = llm.get_tokenizer()
     d = IncrementalDetokenizer(tok, [5], SamplingParams(stop=["STOP!"]))
-    deltas = []
+    deltas, output = [], []
     for ch in "go STO":
-        d.update(tok(ch, add_special_tokens=False).input_ids)
-        deltas.append(d.get_text(False, True))
+        output += tok(ch, add_special_tokens=False).input_ids
+        deltas.append(d.get_text(False, True) if d.update(output) is None else None)
     assert "".join(deltas) == "go"  # 4 characters held back: " STO"
-    assert d.update(tok("P", add_special_tokens=False).input_ids) is None
+    output += tok("P", add_special_tokens=False).input_ids
+    assert d.update(output) is None
     assert d.get_text(False, True) == " "
-    d.flush()
+    d.flush(output)
     assert d.get_text(True, True) == "STOP"  # ended another way: everything is released
     d2 = IncrementalDetokenizer(tok, [5], SamplingParams(stop=["STOP!"]))
     assert d2.update(tok("a STOP! b", add_special_tokens=False).input_ids) == "STOP!"

@@ -4,15 +4,18 @@ invariant that the pool is whole again when idle."""
 
 from __future__ import annotations
 
+import io
+import pickle
 import subprocess
 import sys
 
 import pytest
 
 from pagedjax.config import SchedulerConfig
+from pagedjax.engine.interface import SampledToken
 from pagedjax.engine.kv_cache_manager import KVCacheManager, hash_block
 from pagedjax.engine.request import Request, RequestStatus
-from pagedjax.engine.scheduler import SampledToken, Scheduler
+from pagedjax.engine.scheduler import Scheduler
 from pagedjax.sampling_params import SamplingParams
 
 EOS = 2
@@ -70,13 +73,53 @@ def assert_pool_whole(sched):
     assert not sched.kv.req_blocks
 
 
+HOST_SIDE_MODULES = (
+    "scheduler",
+    "kv_cache_manager",
+    "request",
+    "output_processor",
+    "input_processor",
+    "interface",
+    "forks",
+    "input_batch",
+    "detokenizer",
+)
+
+
 def test_engine_host_side_imports_no_jax():
     code = (
-        "import sys; import pagedjax.engine.scheduler, pagedjax.engine.kv_cache_manager, "
-        "pagedjax.engine.input_batch, pagedjax.engine.detokenizer; "
-        "assert 'jax' not in sys.modules, 'jax imported'"
+        "import sys; "
+        + "; ".join(f"import pagedjax.engine.{m}" for m in HOST_SIDE_MODULES)
+        + "; bad = sorted(m for m in sys.modules if m == 'jax' or m.startswith('jax.')); "
+        "assert not bad, f'jax imported: {bad[:3]}'"
     )
-    subprocess.run([sys.executable, "-c", code], check=True)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_scheduler_output_carries_no_request():
+    """What crosses to the runner is ids, counts and frozen specs: pickling a SchedulerOutput
+    of live requests (new, running, forked, preempted) meets no `Request`."""
+
+    class NoRequestPickler(pickle.Pickler):
+        def persistent_id(self, obj):
+            if isinstance(obj, Request):
+                raise AssertionError(f"a Request crosses the boundary: {obj!r}")
+            return None
+
+    s = make_sched(num_blocks=8, block_size=4, budget=16, caching=False)
+    parent = req("p", 6, max_tokens=6, bad_words=None, logit_bias={3: 1.0})
+    s.add_request(parent)
+    s.add_request(req("k", 6, max_tokens=6), fork_of=parent)
+    s.add_request(req("q", 9, max_tokens=6, first=40))
+    seen_new = seen_cached = 0
+    while s.has_unfinished_requests():
+        so = s.schedule()
+        NoRequestPickler(io.BytesIO()).dump(so)
+        seen_new += len(so.scheduled_new_reqs)
+        seen_cached += len(so.scheduled_cached_reqs)
+        s.update_from_output(so, fake_sample(so, s))
+    assert seen_new >= 3 and seen_cached > 0 and s.num_preemptions > 0
 
 
 def test_prompt_chunks_sum_to_prompt_and_decode_is_one_token():
@@ -332,10 +375,9 @@ def test_swap_preemption_keeps_progress_and_outputs():
         if so.blocks_to_swap_in:
             # Resumed where it was: only the tokens not yet computed are scheduled.
             resumed = next(d for d in so.scheduled_new_reqs if d.req_id == "b")
-            assert resumed.num_computed_tokens > 0
-            assert resumed.num_computed_tokens + so.num_scheduled_tokens["b"] == len(
-                resumed.token_ids
-            )
+            seq = next(q for q in so.scheduled if q.req_id == "b")
+            assert seq.num_computed_tokens > 0
+            assert seq.num_computed_tokens + len(seq.token_ids) == len(resumed.token_ids)
     assert swapped_out and len(swapped_in) == len(swapped_out)
     assert b.num_preemptions >= 1
     assert a.output_token_ids == list(range(108, 116))
@@ -391,7 +433,7 @@ def test_fork_shares_prompt_blocks_and_copies_the_partial_block_on_write():
     tables = [s.kv.get_block_ids(r) for r in ("p", "k0", "k1", "k2")]
     assert len({t[2] for t in tables}) == 4  # four distinct last blocks
     cow = {c.req_id: c.replaced_block_ids for c in so.scheduled_cached_reqs}
-    assert cow["p"] == [(2, s.kv.get_block_ids("p")[2])]
+    assert cow["p"] == ((2, s.kv.get_block_ids("p")[2]),)
     held = {b for t in tables for b in t}
     assert len(held) == 2 + 4  # 2 shared full blocks + 4 last blocks
     run_all(s)

@@ -1,5 +1,8 @@
 """Incremental detokenization and stop strings, one `IncrementalDetokenizer` per request.
 
+It holds text, not tokens: each call gets the request's output token ids (the request's own
+list) and decodes those it has not seen yet.
+
 Text grows token by token through the `tokenizers` library's `DecodeStream`, which holds a
 token back while it ends inside a multi-byte UTF-8 character, so every delta is valid text
 and the deltas join to the full decode. The stream is primed with the prompt's last tokens,
@@ -36,7 +39,7 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams):
         self.params = params
         self.output_text = ""
-        self.token_ids: list[int] = []
+        self.num_tokens = 0  # output tokens decoded so far
         self._sent = 0  # characters of output_text already returned as deltas
         self._stop_hold = (
             max((len(s) for s in params.stop), default=1) - 1
@@ -53,10 +56,12 @@ class IncrementalDetokenizer:
                 ids=list(self._context), skip_special_tokens=params.skip_special_tokens
             )
 
-    def update(self, new_token_ids: list[int]) -> str | None:
-        """Adds tokens to the text; returns the stop string matched, if any (the text is
-        then cut as the module docstring says)."""
-        self.token_ids.extend(new_token_ids)
+    def update(self, output_token_ids: list[int]) -> str | None:
+        """Adds the tokens of `output_token_ids` (the request's whole output so far) not yet
+        decoded to the text; returns the stop string matched, if any (the text is then cut
+        as the module docstring says)."""
+        new_token_ids = output_token_ids[self.num_tokens :]
+        self.num_tokens = len(output_token_ids)
         if not self.params.detokenize or self._tokenizer is None:
             return None
         before = len(self.output_text)
@@ -67,9 +72,9 @@ class IncrementalDetokenizer:
                     self.output_text += piece
         else:
             self.output_text = self._tokenizer.decode(
-                self.token_ids, skip_special_tokens=self.params.skip_special_tokens
+                output_token_ids, skip_special_tokens=self.params.skip_special_tokens
             )
-        if not self.params.stop or len(self.token_ids) < self.params.min_tokens:
+        if not self.params.stop or self.num_tokens < self.params.min_tokens:
             return None
         return self._find_stop(before)
 
@@ -88,13 +93,16 @@ class IncrementalDetokenizer:
         self.output_text = self.output_text[:end]
         return best
 
-    def flush(self) -> None:
+    def flush(self, output_token_ids: list[int]) -> None:
         """At the end of a request (not by a stop string): adds what the stream still holds,
-        i.e. trailing bytes that never completed a character, as the full decode shows them."""
+        i.e. trailing bytes that never completed a character, as the full decode of
+        `output_token_ids` (the request's whole output) shows them."""
         if self._stream is None or self._stopped:
             return
         skip = self.params.skip_special_tokens
-        full = self._tokenizer.decode(self._context + self.token_ids, skip_special_tokens=skip)
+        full = self._tokenizer.decode(
+            self._context + list(output_token_ids), skip_special_tokens=skip
+        )
         prefix = self._tokenizer.decode(self._context, skip_special_tokens=skip)
         if full.startswith(prefix):
             tail = full[len(prefix) :]

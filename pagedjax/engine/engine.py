@@ -1,9 +1,10 @@
 """LLMEngine: requests in, `RequestOutput`s out, one `step()` at a time.
 
-    add_request -> Scheduler (which requests, how many tokens) -> KVCacheManager (blocks)
-    -> ModelRunner (padded arrays, one compiled step: model, attention, sampler)
-    -> sampled ids -> Scheduler.update_from_output (stop checks, freeing)
-    -> IncrementalDetokenizer (text, stop strings) -> RequestOutput
+    add_request -> InputProcessor (validation, tokenization) -> Request -> Scheduler
+    step: Scheduler.schedule (which requests, how many tokens; KVCacheManager blocks)
+    -> SchedulerOutput -> ModelRunner.execute (one compiled step: model, attention, sampler)
+    -> ModelRunnerOutput -> Scheduler.update_from_output (tokens appended, text and stop
+    checks, freeing) -> OutputProcessor (logprobs, RequestOutputs)
 
 A request with n > 1 is fanned out into n child sequences ("{i}_{id}"): the first computes
 the prompt, the others fork its blocks (copy-on-write, see `Scheduler`); their outputs are
@@ -22,16 +23,17 @@ from collections.abc import Iterable
 import jax
 
 from pagedjax.config import EngineArgs, EngineConfig
+from pagedjax.engine.detokenizer import IncrementalDetokenizer
+from pagedjax.engine.input_processor import InputProcessor
 from pagedjax.engine.kv_cache_manager import KVCacheManager
 from pagedjax.engine.metrics import StatLogger
 from pagedjax.engine.output_processor import OutputProcessor
 from pagedjax.engine.request import Request, RequestStatus
 from pagedjax.engine.runner import ModelRunner
 from pagedjax.engine.scheduler import Scheduler
-from pagedjax.inputs import PromptType, parse_prompt
+from pagedjax.inputs import PromptType
 from pagedjax.models import llama, loader
 from pagedjax.ops import cpu_linear
-from pagedjax.ops.sampling import MAX_BANNED
 from pagedjax.outputs import RequestOutput
 from pagedjax.sampling_params import SamplingParams
 from pagedjax.sharding.mesh import device_grid, replica_mesh
@@ -152,6 +154,7 @@ class LLMEngine:
         self.compile_seconds = self.runner.warmup(use_tqdm=use_tqdm)
         self.eos_token_id = self._eos_token_id()
         self._rng = random.Random(mc.seed)
+        self.input_processor = InputProcessor(mc, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stat_logger = StatLogger(enabled=config.log_stats)
         self.last_step_timing: StepTiming | None = None  # see `StepTiming`
@@ -194,79 +197,9 @@ class LLMEngine:
         """The token ids of a prompt (tokenized if given as text).
 
         Raises:
-            ValueError: a malformed or empty prompt, or text without a tokenizer.
+            InvalidInputError: a malformed or empty prompt, or text without a tokenizer.
         """
-        text, ids, _ = parse_prompt(prompt)
-        if ids is None:
-            if self.tokenizer is None:
-                raise ValueError("prompts must be token ids when skip_tokenizer_init is set")
-            if text == "":
-                raise ValueError("prompt must not be empty")
-            ids = self.tokenizer(text).input_ids
-        return ids
-
-    def _validate(self, prompt: PromptType, params: SamplingParams):
-        text, _, salt = parse_prompt(prompt)
-        ids = self.prompt_token_ids(prompt)
-        mc = self.config.model_config
-        if params.truncate_prompt_tokens is not None:
-            k = (
-                mc.max_model_len
-                if params.truncate_prompt_tokens == -1
-                else params.truncate_prompt_tokens
-            )
-            ids = ids[-k:]
-        if not ids:
-            raise ValueError("prompt must not be empty (it has 0 tokens)")
-        if len(ids) > mc.max_model_len:
-            raise ValueError(
-                f"prompt has {len(ids)} tokens, more than max_model_len={mc.max_model_len}"
-            )
-        vocab = mc.arch.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} is out of the vocabulary [0, {vocab})")
-        self._validate_params(params)
-        return text, ids, salt
-
-    def _validate_params(self, params: SamplingParams) -> None:
-        """Checks what SamplingParams cannot check alone (vocabulary, max_logprobs, ...)."""
-        mc = self.config.model_config
-        vocab = mc.arch.vocab_size
-        for field in ("logprobs", "prompt_logprobs"):
-            k = getattr(params, field)
-            if k is not None and k > mc.max_logprobs:
-                raise ValueError(f"{field} must be <= max_logprobs ({mc.max_logprobs}), got {k}")
-        for field, ids in (
-            ("logit_bias", list(params.logit_bias or {})),
-            ("allowed_token_ids", params.allowed_token_ids or []),
-            ("stop_token_ids", params.stop_token_ids),
-        ):
-            out = [t for t in ids if not 0 <= t < vocab]
-            if out:
-                raise ValueError(
-                    f"{field} has token id {out[0]} outside the vocabulary [0, {vocab})"
-                )
-        if params.min_tokens and len(params.stop_token_ids) + 1 > MAX_BANNED:
-            raise ValueError(
-                f"with min_tokens, stop_token_ids may hold at most "
-                f"{MAX_BANNED - 1} ids, got {len(params.stop_token_ids)}"
-            )
-        if (params.stop or params.bad_words) and self.tokenizer is None:
-            field = "stop" if params.stop else "bad_words"
-            raise ValueError(f"{field} needs a tokenizer (skip_tokenizer_init is set)")
-
-    def _bad_words_token_ids(self, params: SamplingParams) -> list[list[int]] | None:
-        """Token sequences of each bad word, with and without a leading space (as vLLM)."""
-        if not params.bad_words:
-            return None
-        seqs: list[list[int]] = []
-        for word in params.bad_words:
-            for prefix in ("", " "):
-                ids = self.tokenizer(prefix + word.lstrip(), add_special_tokens=False).input_ids
-                if ids and ids not in seqs:
-                    seqs.append(ids)
-        return seqs
+        return self.input_processor.prompt_token_ids(prompt)
 
     def add_request(
         self,
@@ -275,6 +208,7 @@ class LLMEngine:
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
+        check_max_tokens: bool = False,
     ) -> None:
         """Queues a request.
 
@@ -284,37 +218,42 @@ class LLMEngine:
             params: SamplingParams (default: vLLM's defaults).
             arrival_time: seconds since the epoch (default: now).
             priority: smaller is served earlier under scheduling_policy="priority".
+            check_max_tokens: refuse (OpenAI's rule) a prompt that leaves no room for output
+                or an explicit max_tokens that does not fit after it, instead of capping
+                max_tokens to the room left.
 
         Raises:
-            ValueError: empty or too long prompt, token ids outside the vocabulary, an
-                unsupported sampling option, a duplicate id, or a prompt that could never
-                fit the KV cache. Nothing is queued then, and other requests are unaffected.
+            InvalidInputError (a ValueError naming the field as `param`): empty or too long
+                prompt, token ids outside the vocabulary, an unsupported sampling option.
+            ValueError: a duplicate id, or a prompt that could never fit the KV cache.
+            Nothing is queued then, and other requests are unaffected.
         """
         params = params if params is not None else SamplingParams()
         if request_id in self.output_processor.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
-        text, ids, salt = self._validate(prompt, params)
-        params = params.clone()
-        room = self.config.model_config.max_model_len - len(ids)
-        params.max_tokens = max(1, min(params.max_tokens or room, room)) if room > 0 else 1
+        inp = self.input_processor.process(prompt, params, check_max_tokens)
+        params = inp.params
         arrival = time.time() if arrival_time is None else arrival_time
-        bad_words = self._bad_words_token_ids(params)
         requests: list[Request] = []
         for i in range(params.n):
             child_id = request_id if params.n == 1 else f"{i}_{request_id}"
             seed = params.seed + i if params.seed is not None else self._rng.getrandbits(63)
-            req = Request(
-                child_id,
-                ids,
-                params,
-                self.eos_token_id,
-                seed=seed,
-                arrival_time=arrival,
-                priority=priority,
-                cache_salt=salt,
+            requests.append(
+                Request(
+                    child_id,
+                    inp.prompt_token_ids,
+                    params,
+                    self.eos_token_id,
+                    seed=seed,
+                    arrival_time=arrival,
+                    priority=priority,
+                    cache_salt=inp.cache_salt,
+                    bad_words_token_ids=inp.bad_words_token_ids,
+                    detokenizer=IncrementalDetokenizer(
+                        self.tokenizer, inp.prompt_token_ids, params
+                    ),
+                )
             )
-            req.bad_words_token_ids = bad_words
-            requests.append(req)
         added: list[Request] = []
         try:
             for r in requests:
@@ -326,8 +265,10 @@ class LLMEngine:
                 [r.request_id for r in added], RequestStatus.FINISHED_ABORTED
             )
             raise
-        self.output_processor.add(request_id, text, ids, params, requests, arrival)
-        self.stat_logger.on_request_added(len(ids))
+        self.output_processor.add(
+            request_id, inp.text, inp.prompt_token_ids, params, requests, arrival
+        )
+        self.stat_logger.on_request_added(len(inp.prompt_token_ids))
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         """Aborts requests wherever they are; their blocks are freed at once."""
@@ -343,6 +284,11 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.output_processor.parents)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forgets the prefix cache (vLLM's `reset_prefix_cache`); only while no request
+        holds blocks. Returns whether it did."""
+        return self.scheduler.reset_prefix_cache()
+
     def get_num_unfinished_requests(self) -> int:
         return len(self.output_processor.parents)
 
@@ -356,15 +302,11 @@ class LLMEngine:
         result = self.runner.execute(so)
         t2 = time.perf_counter()
         progressed = self.scheduler.update_from_output(so, result.sampled)
-        touched, stops = self.output_processor.update(progressed, result)
-        for req, stop in stops:
-            self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
-            req.stop_reason = stop
-        outputs = self.output_processor.build(touched)
+        outputs = self.output_processor.build(self.output_processor.update(progressed, result))
         t3 = time.perf_counter()
         self.last_step_timing = StepTiming(
             num_scheduled_tokens=so.total_num_scheduled_tokens,
-            num_seqs=len(so.num_scheduled_tokens),
+            num_seqs=len(so.scheduled),
             bucket=result.bucket,
             schedule_s=t1 - t0,
             prepare_s=result.prepare_s,

@@ -18,7 +18,7 @@ import math
 import numpy as np
 
 MIN_TOKEN_BUCKET = 16
-MAX_BANNED = 16  # must equal ops.sampling.MAX_BANNED (this module imports no jax)
+MAX_BANNED = 16  # token ids banned per row and step (min_tokens stops, bad-word endings)
 # Per-row sampling fields, in packed order; the float ones travel as float32 bits.
 SAMPLING_ROW_FIELDS = (
     "temperature",

@@ -44,10 +44,6 @@ class PrefixCacheStats:
     queries: int = 0
     hits: int = 0
 
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.queries if self.queries else 0.0
-
 
 class BlockPool:
     """Blocks 1..num_blocks-1, their ref counts, hashes, the free queue and the hash map."""
@@ -321,4 +317,6 @@ class KVCacheManager:
         return list(zip(host, device, strict=False))
 
     def reset_prefix_cache(self) -> bool:
+        """Forgets every cached block hash; only while no request holds a block. Returns
+        whether it did."""
         return self.pool.reset_prefix_cache()

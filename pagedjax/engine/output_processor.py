@@ -2,9 +2,10 @@
 
 One `ParentState` per user request, one `ChildState` per output sequence (the n samples of a
 request are separate scheduler requests, "{i}_{id}" when n > 1). Each step the engine hands
-over the requests that progressed and what the runner returned for them; this module updates
-their detokenizers (reporting stop strings back, so the engine can end those requests), their
-logprobs and the prompt logprobs, and builds the outputs that `output_kind` asks for.
+over the requests that progressed (the scheduler has already appended their tokens, grown
+their text and decided whether they finished) and what the runner returned for them; this
+module gathers their logprobs and the prompt logprobs, and builds the outputs that
+`output_kind` asks for. It reads the requests' state and never changes it.
 """
 
 from __future__ import annotations
@@ -12,9 +13,8 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from pagedjax.engine.detokenizer import IncrementalDetokenizer
+from pagedjax.engine.interface import ModelRunnerOutput, PromptLogprobs
 from pagedjax.engine.request import Request
-from pagedjax.engine.runner import PromptLogprobs, StepResult
 from pagedjax.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagedjax.sampling_params import RequestOutputKind, SamplingParams
 
@@ -22,7 +22,6 @@ from pagedjax.sampling_params import RequestOutputKind, SamplingParams
 @dataclasses.dataclass
 class ChildState:
     request: Request
-    detokenizer: IncrementalDetokenizer
     index: int
     logprobs: list[dict[int, Logprob]] | None = None
     sent_tokens: int = 0  # output tokens already reported (output_kind DELTA)
@@ -50,7 +49,7 @@ class OutputProcessor:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.parents: dict[str, ParentState] = {}
-        self.child_to_parent: dict[str, str] = {}
+        self.children: dict[str, tuple[ParentState, ChildState]] = {}  # by scheduler request id
 
     def add(
         self,
@@ -62,12 +61,7 @@ class OutputProcessor:
         arrival_time: float,
     ) -> None:
         children = [
-            ChildState(
-                r,
-                IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params),
-                i,
-                [] if params.logprobs is not None else None,
-            )
+            ChildState(r, i, [] if params.logprobs is not None else None)
             for i, r in enumerate(requests)
         ]
         parent = ParentState(
@@ -81,14 +75,14 @@ class OutputProcessor:
         if params.prompt_logprobs is not None:
             parent.prompt_logprobs = [None] * len(prompt_token_ids)
         self.parents[request_id] = parent
-        for r in requests:
-            self.child_to_parent[r.request_id] = request_id
+        for c in children:
+            self.children[c.request.request_id] = (parent, c)
 
     def remove(self, request_id: str) -> ParentState | None:
         parent = self.parents.pop(request_id, None)
         if parent is not None:
             for c in parent.children:
-                self.child_to_parent.pop(c.request.request_id, None)
+                self.children.pop(c.request.request_id, None)
         return parent
 
     def _decode(self, token_id: int) -> str | None:
@@ -108,45 +102,30 @@ class OutputProcessor:
         for pos, lp, rank, top in zip(plp.positions, plp.logprobs, plp.ranks, plp.top, strict=True):
             parent.prompt_logprobs[pos] = self._logprob_dict(ids[pos], lp, rank, top)
 
-    def update(
-        self, progressed: list[Request], result: StepResult
-    ) -> tuple[list[ParentState], list[tuple[Request, str]]]:
-        """Takes a step's results: text, stop strings, logprobs.
-
-        Returns:
-            The parents that progressed, and (request, stop string) pairs of requests whose
-            text reached a stop string (the engine ends them before `build`).
-        """
+    def update(self, progressed: list[Request], result: ModelRunnerOutput) -> list[ParentState]:
+        """Takes a step's results (logprobs, prompt logprobs). Returns the parents that
+        progressed."""
         now = time.time()
-        stops: list[tuple[Request, str]] = []
         touched: dict[str, ParentState] = {}
         for req_id, plp in result.prompt_logprobs.items():
-            parent_id = self.child_to_parent.get(req_id)
-            if parent_id is not None and self.parents[parent_id].prompt_logprobs is not None:
-                self._record_prompt_logprobs(self.parents[parent_id], plp)
+            parent, _ = self.children.get(req_id, (None, None))
+            if parent is not None and parent.prompt_logprobs is not None:
+                self._record_prompt_logprobs(parent, plp)
         for req in progressed:
-            parent_id = self.child_to_parent.get(req.request_id)
-            if parent_id is None:
+            parent, child = self.children.get(req.request_id, (None, None))
+            if parent is None:
                 continue
-            parent = self.parents[parent_id]
-            child = next(c for c in parent.children if c.request is req)
-            new_tokens = req.output_token_ids[len(child.detokenizer.token_ids) :]
             sampled = result.sampled.get(req.request_id)
-            if child.logprobs is not None and sampled is not None and new_tokens:
+            if child.logprobs is not None and sampled is not None:
                 child.logprobs.append(
                     self._logprob_dict(
                         sampled.token_id, sampled.logprob, sampled.rank, sampled.top or []
                     )
                 )
-            stop = child.detokenizer.update(new_tokens)
-            if stop is not None and not req.is_finished:
-                stops.append((req, stop))
-            elif req.is_finished:
-                child.detokenizer.flush()
             if parent.metrics.first_token_time is None:
                 parent.metrics.first_token_time = now
-            touched[parent_id] = parent
-        return list(touched.values()), stops
+            touched[parent.request_id] = parent
+        return list(touched.values())
 
     def build(self, touched: list[ParentState]) -> list[RequestOutput]:
         """The outputs `output_kind` asks for; finished parents are forgotten."""
@@ -171,7 +150,7 @@ class OutputProcessor:
             outs.append(
                 CompletionOutput(
                     index=c.index,
-                    text=c.detokenizer.get_text(r.is_finished, delta),
+                    text=r.detokenizer.get_text(r.is_finished, delta),
                     token_ids=list(r.output_token_ids[start:]),
                     cumulative_logprob=(
                         float(sum(r.output_logprobs)) if c.logprobs is not None else None

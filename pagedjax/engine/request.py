@@ -6,9 +6,12 @@ States:
     RUNNING --preempt (swap)--> SWAPPED --swap in--> RUNNING
     any unfinished state --abort--> FINISHED_ABORTED
 
-The request owns no device memory; its blocks live in the `KVCacheManager` under its id.
+The request is the one record of a sequence's progress: its tokens, how many are computed,
+its status, and (with a tokenizer) its text, through `detokenizer`. The scheduler alone
+changes it. It owns no device memory; its blocks live in the `KVCacheManager` under its id.
 `num_computed_tokens` counts tokens whose K/V are in the cache; a step schedules up to
-`num_tokens - num_computed_tokens` of them (a prefill chunk, or the one decode token).
+`num_tokens - num_computed_tokens` of them (a prefill chunk, or the one decode token). The
+runner never sees it: it gets `spec`, a frozen `engine.interface.RequestSpec` made here once.
 """
 
 from __future__ import annotations
@@ -17,7 +20,10 @@ import enum
 import time
 from typing import TYPE_CHECKING
 
+from pagedjax.engine.interface import RequestSpec
+
 if TYPE_CHECKING:
+    from pagedjax.engine.detokenizer import IncrementalDetokenizer
     from pagedjax.sampling_params import SamplingParams
 
 
@@ -29,7 +35,6 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH_CAPPED = enum.auto()
     FINISHED_ABORTED = enum.auto()
-    FINISHED_IGNORED = enum.auto()
 
     @property
     def is_finished(self) -> bool:
@@ -44,7 +49,6 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
-    RequestStatus.FINISHED_IGNORED: "length",
 }
 
 
@@ -60,6 +64,8 @@ class Request:
         arrival_time: seconds (time.time()) when it arrived.
         priority: smaller runs earlier under the "priority" policy (vLLM's convention).
         cache_salt: extra key mixed into the prefix-cache hash of every block.
+        bad_words_token_ids: the token sequences of `sampling_params.bad_words`.
+        detokenizer: its `IncrementalDetokenizer` (text and stop strings), or None.
     """
 
     def __init__(
@@ -72,6 +78,8 @@ class Request:
         arrival_time: float | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        bad_words_token_ids: list[list[int]] | None = None,
+        detokenizer: IncrementalDetokenizer | None = None,
     ):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -90,7 +98,10 @@ class Request:
         self.num_preemptions = 0
         self.block_hashes: list[bytes] = []
         self.stop_reason: int | str | None = None
-        self.first_token_time: float | None = None
+        self.detokenizer = detokenizer
+        self.spec = RequestSpec.from_params(
+            prompt_token_ids, sampling_params, eos_token_id, seed, bad_words_token_ids
+        )
 
     @property
     def num_tokens(self) -> int:
@@ -112,8 +123,6 @@ class Request:
         self.output_token_ids.append(token_id)
         self.output_logprobs.append(logprob)
         self.all_token_ids.append(token_id)
-        if self.first_token_time is None:
-            self.first_token_time = time.time()
 
     def __repr__(self) -> str:
         return (

@@ -1,8 +1,9 @@
 """The model runner: owns the params, the KV cache and the sampling state; runs the steps.
 
-It keeps a small state per request in the batch (token ids, block table, sampling row and a
-slot of the device `SamplingState`, mirrored from the scheduler's outputs), builds each step's
-padded inputs with `BatchBuilder`, and calls one ahead-of-time compiled executable per token
+It keeps, per request in the batch, only row bookkeeping (its `RequestSpec`, block table and
+slot of the device `SamplingState`); the scheduler owns the request's tokens and progress and
+sends each step's token ids and counts (`engine.interface`). It builds each step's padded
+inputs with `BatchBuilder`, and calls one ahead-of-time compiled executable per token
 bucket (`engine.step_fn.step`). Every bucket is compiled at warm-up; a step whose shape has no
 executable raises instead of compiling (after warm-up a compile is a bug), and
 `compile_count()` counts every XLA compilation of the process, so tests can assert none happen.
@@ -27,7 +28,15 @@ from tqdm.auto import tqdm
 from pagedjax.config import CPU_DEFAULT_KV_CACHE_BYTES, EngineConfig
 from pagedjax.engine import step_fn
 from pagedjax.engine.input_batch import BatchBuilder, SeqInput
-from pagedjax.engine.scheduler import SampledToken, SchedulerOutput
+from pagedjax.engine.interface import (
+    ModelRunnerOutput,
+    NewRequestData,
+    PromptLogprobs,
+    RequestSpec,
+    SampledToken,
+    ScheduledSeq,
+    SchedulerOutput,
+)
 from pagedjax.ops.kv_cache import (
     KVCache,
     init_kv_cache,
@@ -35,12 +44,7 @@ from pagedjax.ops.kv_cache import (
     kv_cache_jnp_dtype,
     kv_cache_shape,
 )
-from pagedjax.ops.sampling import (
-    MAX_BANNED,
-    init_sampling_state,
-    init_state_rows,
-    set_bias_rows,
-)
+from pagedjax.ops.sampling import init_sampling_state, init_state_rows, set_bias_rows
 from pagedjax.sharding.rules import ShardingPlan
 
 logger = logging.getLogger(__name__)
@@ -69,39 +73,15 @@ def compile_count() -> int:
 
 
 @dataclasses.dataclass
-class PromptLogprobs:
-    """Prompt logprobs computed in a step: for each prompt position in `positions`, the
-    logprob and rank of that prompt token given the tokens before it, and the top-k."""
-
-    positions: list[int]
-    logprobs: list[float]
-    ranks: list[int]
-    top: list[list[tuple[int, float]]]
-
-
-@dataclasses.dataclass
-class StepResult:
-    sampled: dict[str, SampledToken]
-    prompt_logprobs: dict[str, PromptLogprobs]
-    prepare_s: float = 0.0  # host: request states, block ops, the packed input buffer
-    device_s: float = 0.0  # the compiled step's dispatch until its sampled ids are on the host
-    bucket: int = 0  # the step's token bucket T (0: nothing ran)
-
-
-@dataclasses.dataclass
 class _RequestState:
-    token_ids: np.ndarray  # [max_model_len + 1] int32, the first num_tokens valid
-    num_tokens: int
-    num_prompt_tokens: int
+    """The runner's row bookkeeping for one request in the batch: its spec, its block table,
+    its slot of the device sampling state and the sampling fields of its row."""
+
+    spec: RequestSpec
     block_ids: list[int]
-    num_computed_tokens: int
     slot: int
     row: dict[str, Any]  # the SeqInput sampling fields that do not change
-    stop_ids: tuple[int, ...]  # banned while num_output < min_tokens
-    min_tokens: int
-    bad_words: list[list[int]]  # multi-token bad words
-    num_logprobs: int | None
-    num_prompt_logprobs: int | None
+    bad_words: list[tuple[int, ...]]  # multi-token bad words
 
 
 class ModelRunner:
@@ -329,45 +309,28 @@ class ModelRunner:
         if st is not None:
             self._free_slots.append(st.slot)
 
-    def _add(self, new) -> tuple[_RequestState, Any]:
-        req = new.request
-        p = req.sampling_params
-        token_ids = np.zeros(self.max_model_len + 1, np.int32)
-        token_ids[: len(new.token_ids)] = new.token_ids
-        greedy = p.is_greedy
-        bias_row = _bias_row(p, getattr(req, "bad_words_token_ids", None), self.arch.vocab_size)
-        eos = () if p.ignore_eos or req.eos_token_id is None else (req.eos_token_id,)
-        row = dict(
-            temperature=0.0 if greedy else p.temperature,
-            top_p=1.0 if greedy else p.top_p,
-            top_k=0 if greedy else max(p.top_k, 0),
-            min_p=0.0 if greedy else p.min_p,
-            seed=req.seed,
-            repetition_penalty=p.repetition_penalty,
-            presence_penalty=p.presence_penalty,
-            frequency_penalty=p.frequency_penalty,
-            use_bias=bias_row is not None,
-            want_logprobs=p.logprobs is not None,
-        )
+    def _add(self, new: NewRequestData) -> _RequestState:
+        spec = new.spec
         st = _RequestState(
-            token_ids=token_ids,
-            num_tokens=len(new.token_ids),
-            num_prompt_tokens=new.num_prompt_tokens,
+            spec=spec,
             block_ids=list(new.block_ids),
-            num_computed_tokens=new.num_computed_tokens,
             slot=self._free_slots.pop(),
-            row=row,
-            stop_ids=tuple(dict.fromkeys((*eos, *p.stop_token_ids))),
-            min_tokens=p.min_tokens,
-            bad_words=[w for w in getattr(req, "bad_words_token_ids", None) or [] if len(w) > 1],
-            num_logprobs=p.logprobs,
-            num_prompt_logprobs=p.prompt_logprobs,
+            row=dict(
+                temperature=spec.temperature,
+                top_p=spec.top_p,
+                top_k=spec.top_k,
+                min_p=spec.min_p,
+                seed=spec.seed,
+                repetition_penalty=spec.repetition_penalty,
+                presence_penalty=spec.presence_penalty,
+                frequency_penalty=spec.frequency_penalty,
+                use_bias=_has_bias(spec),
+                want_logprobs=spec.logprobs is not None,
+            ),
+            bad_words=[w for w in spec.bad_words if len(w) > 1],
         )
         self.requests[new.req_id] = st
-        penalties = (
-            p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-        )
-        return st, (bias_row, penalties)
+        return st
 
     def _update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids | so.preempted_req_ids:
@@ -375,17 +338,16 @@ class ModelRunner:
         inits, biases = [], []
         for new in so.scheduled_new_reqs:
             self._drop(new.req_id)
-            st, (bias_row, penalties) = self._add(new)
-            if penalties:
-                inits.append(st)
-            if bias_row is not None:
-                biases.append((st.slot, bias_row))
+            st = self._add(new)
+            if new.spec.has_penalties:
+                inits.append((st, new.token_ids))
+            if st.row["use_bias"]:
+                biases.append((st.slot, _bias_row(new.spec, self.arch.vocab_size)))
         for cached in so.scheduled_cached_reqs:
             st = self.requests[cached.req_id]
             for index, block in cached.replaced_block_ids:
                 st.block_ids[index] = block
             st.block_ids.extend(cached.new_block_ids)
-            st.num_computed_tokens = cached.num_computed_tokens
         if inits:
             self._init_state_rows(inits)
         for i in range(0, len(biases), STATE_INIT_ROWS):
@@ -396,71 +358,68 @@ class ModelRunner:
                 slots[j], rows[j] = slot, bias
             self.sampling_state = self._ops["bias_rows"](self.sampling_state, slots, rows)
 
-    def _init_state_rows(self, states: list[_RequestState]) -> None:
-        """Fills the penalty rows (prompt mask, output counts) of requests entering the batch."""
+    def _init_state_rows(self, states: list[tuple[_RequestState, tuple[int, ...]]]) -> None:
+        """Fills the penalty rows (prompt mask, output counts) of requests entering the batch,
+        from every token each knows."""
         R, C = STATE_INIT_ROWS, STATE_INIT_TOKENS
         for i in range(0, len(states), R):
             group = states[i : i + R]
-            longest = max(st.num_tokens for st in group)
+            longest = max(len(ids) for _, ids in group)
             for c0 in range(0, longest, C):
                 slots = np.full(R, self.num_slots - 1, np.int32)
                 reset = np.zeros(R, bool)
                 tokens = np.zeros((R, C), np.int32)
                 kinds = np.zeros((R, C), np.int32)
-                for j, st in enumerate(group):
+                for j, (st, ids) in enumerate(group):
                     slots[j], reset[j] = st.slot, c0 == 0
-                    n = max(0, min(C, st.num_tokens - c0))
-                    tokens[j, :n] = st.token_ids[c0 : c0 + n]
+                    n = max(0, min(C, len(ids) - c0))
+                    tokens[j, :n] = ids[c0 : c0 + n]
                     pos = np.arange(c0, c0 + n)
-                    kinds[j, :n] = np.where(pos < st.num_prompt_tokens, 1, 2)
+                    kinds[j, :n] = np.where(pos < st.spec.num_prompt_tokens, 1, 2)
                 self.sampling_state = self._ops["init_rows"](
                     self.sampling_state, slots, reset, tokens, kinds
                 )
 
     # ----------------------------------------------------------------- steps
 
-    def _seq_input(self, st: _RequestState, n: int) -> SeqInput:
-        start = st.num_computed_tokens
-        num_output = st.num_tokens - st.num_prompt_tokens
-        samples = start + n == st.num_tokens
+    def _seq_input(self, st: _RequestState, seq: ScheduledSeq) -> SeqInput:
+        spec, start, n = st.spec, seq.num_computed_tokens, len(seq.token_ids)
         banned: list[int] = []
-        if samples:
-            if num_output < st.min_tokens:
-                banned.extend(st.stop_ids)
-            out = st.token_ids[st.num_prompt_tokens : st.num_tokens]
+        if seq.samples:
+            if seq.num_output_tokens < spec.min_tokens:
+                banned.extend(spec.stop_token_ids)
+            recent = seq.recent_output_ids
             for word in st.bad_words:
                 k = len(word) - 1
-                if len(out) >= k and list(out[len(out) - k :]) == word[:-1]:
+                if len(recent) >= k and recent[len(recent) - k :] == word[:-1]:
                     banned.append(word[-1])
         targets = None
-        if st.num_prompt_logprobs is not None and start + 1 < st.num_prompt_tokens:
-            pos = np.arange(start, start + n)
-            nxt = pos + 1
-            targets = np.where(
-                nxt < st.num_prompt_tokens, st.token_ids[np.minimum(nxt, st.num_tokens - 1)], -1
-            )
+        P = spec.num_prompt_tokens
+        if spec.prompt_logprobs is not None and start + 1 < P:
+            nxt = np.arange(start + 1, start + n + 1)
+            prompt = np.asarray(spec.prompt_token_ids, np.int32)
+            targets = np.where(nxt < P, prompt[np.minimum(nxt, P - 1)], -1)
         return SeqInput(
-            token_ids=st.token_ids[start : start + n],
+            token_ids=np.asarray(seq.token_ids, np.int32),
             start=start,
             block_ids=np.asarray(st.block_ids, np.int32),
-            token_index=num_output,
+            token_index=seq.num_output_tokens,
             slot=st.slot,
-            counts=samples,
-            banned=tuple(dict.fromkeys(banned))[:MAX_BANNED],
+            counts=seq.samples,
+            banned=tuple(dict.fromkeys(banned)),
             prompt_targets=targets,
             **st.row,
         )
 
-    def execute(self, so: SchedulerOutput) -> StepResult:
-        """Runs one step. Returns the tokens sampled for every request whose scheduled tokens
-        reached its last known token, and the prompt logprobs computed this step."""
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """Runs one step. Returns the tokens sampled for every scheduled request that samples
+        (`ScheduledSeq.samples`), and the prompt logprobs computed this step."""
         t0 = time.perf_counter()
         self._update_states(so)
         self._apply_block_ops(so)
-        if so.total_num_scheduled_tokens == 0:
-            return StepResult({}, {}, prepare_s=time.perf_counter() - t0)
-        ids = list(so.num_scheduled_tokens)
-        seqs = [self._seq_input(self.requests[r], n) for r, n in so.num_scheduled_tokens.items()]
+        if not so.scheduled:
+            return ModelRunnerOutput({}, {}, prepare_s=time.perf_counter() - t0)
+        seqs = [self._seq_input(self.requests[s.req_id], s) for s in so.scheduled]
         batch = self.builder.build_step(seqs, self.num_microbatches)
         exe = self._executables.get(batch.layout.num_tokens)
         if exe is None:
@@ -475,34 +434,29 @@ class ModelRunner:
         want_logprobs = any(x.want_logprobs for x in seqs)
         if want_logprobs:
             ranks, top_ids, top_lps = (np.asarray(x) for x in (s.ranks, s.top_ids, s.top_logprobs))
-        result = StepResult({}, {}, t1 - t0, t2 - t1, batch.layout.num_tokens)
-        for i, (req_id, seq) in enumerate(zip(ids, seqs, strict=True)):
-            st = self.requests[req_id]
+        result = ModelRunnerOutput({}, {}, t1 - t0, t2 - t1, batch.layout.num_tokens)
+        for i, (sched, seq) in enumerate(zip(so.scheduled, seqs, strict=True)):
+            spec = self.requests[sched.req_id].spec
             if seq.prompt_targets is not None:
-                result.prompt_logprobs[req_id] = self._prompt_logprobs(
-                    out, batch.token_rows[i], seq, st
+                result.prompt_logprobs[sched.req_id] = self._prompt_logprobs(
+                    out, batch.token_rows[i], seq, spec.prompt_logprobs
                 )
-            st.num_computed_tokens += len(seq.token_ids)
             if not seq.counts:
                 continue
             r = batch.sample_rows[i]
-            tok = int(token_ids[r])
-            st.token_ids[st.num_tokens] = tok
-            st.num_tokens += 1
-            sampled = SampledToken(tok, float(logprobs[r]))
-            if st.num_logprobs is not None and want_logprobs:
-                k = st.num_logprobs
+            sampled = SampledToken(int(token_ids[r]), float(logprobs[r]))
+            if spec.logprobs is not None and want_logprobs:
+                k = spec.logprobs
                 sampled.rank = int(ranks[r])
                 sampled.top = [
                     (int(a), float(b)) for a, b in zip(top_ids[r, :k], top_lps[r, :k], strict=True)
                 ]
-            result.sampled[req_id] = sampled
+            result.sampled[sched.req_id] = sampled
         return result
 
-    def _prompt_logprobs(self, out, token_rows, seq, st) -> PromptLogprobs:
+    def _prompt_logprobs(self, out, token_rows, seq: SeqInput, k: int) -> PromptLogprobs:
         valid = np.nonzero(seq.prompt_targets >= 0)[0]
         rows = token_rows[valid]
-        k = st.num_prompt_logprobs
         lp = np.asarray(out.prompt_logprob)[rows]
         rk = np.asarray(out.prompt_rank)[rows]
         ids = np.asarray(out.prompt_top_ids)[rows, :k]
@@ -518,17 +472,22 @@ class ModelRunner:
         )
 
 
-def _bias_row(params, bad_words: list[list[int]] | None, vocab: int) -> np.ndarray | None:
-    """[V] float32 additive bias of a request, or None if it has none: logit_bias,
-    -inf outside allowed_token_ids, -inf for single-token bad words."""
-    single = [w[0] for w in bad_words or [] if len(w) == 1]
-    if not params.logit_bias and params.allowed_token_ids is None and not single:
-        return None
+def _has_bias(spec: RequestSpec) -> bool:
+    return bool(
+        spec.logit_bias
+        or spec.allowed_token_ids is not None
+        or any(len(w) == 1 for w in spec.bad_words)
+    )
+
+
+def _bias_row(spec: RequestSpec, vocab: int) -> np.ndarray:
+    """[V] float32 additive bias of a request: logit_bias, -inf outside allowed_token_ids,
+    -inf for single-token bad words."""
     row = np.zeros(vocab, np.float32)
-    if params.allowed_token_ids is not None:
+    if spec.allowed_token_ids is not None:
         row[:] = -np.inf
-        row[list(params.allowed_token_ids)] = 0.0
-    for tok, b in (params.logit_bias or {}).items():
+        row[list(spec.allowed_token_ids)] = 0.0
+    for tok, b in spec.logit_bias:
         row[tok] += b
-    row[single] = -np.inf
+    row[[w[0] for w in spec.bad_words if len(w) == 1]] = -np.inf
     return row

@@ -16,11 +16,15 @@ and the output it already has (its full blocks are likely still in the prefix ca
 the host pool is full, it is recomputed instead). Either way its output is unchanged: the
 tokens it sees are the same, and its draws depend only on its seed and token index.
 
-The n samples of one prompt are forked: the first one prefills the prompt; when it has, the
-others take its blocks (shared, ref-counted) and compute only the last prompt token, each
-in its own copy of the partly filled last block (copy-on-write).
+The n samples of one prompt are forked (`engine.forks`): the first one prefills the prompt;
+when it has, the others take its blocks (shared, ref-counted) and compute only the last
+prompt token, each in its own copy of the partly filled last block (copy-on-write).
 
-Plain Python (no jax): the output of `schedule()` is a `SchedulerOutput` of ids and counts.
+The scheduler owns request state: `update_from_output` appends each sampled token, advances
+`num_computed_tokens` and decides, in one place, whether the request ends (EOS, stop token
+ids, max_tokens / max_model_len, stop strings; an abort comes through `finish_requests`).
+Plain Python (no jax): `schedule()` returns a `SchedulerOutput` of ids and counts
+(`engine.interface`), with no `Request` in it.
 """
 
 from __future__ import annotations
@@ -33,65 +37,18 @@ from collections import deque
 from collections.abc import Iterable
 
 from pagedjax.config import SchedulerConfig
+from pagedjax.engine.forks import ForkGroups
+from pagedjax.engine.interface import (
+    CachedRequestData,
+    NewRequestData,
+    SampledToken,
+    ScheduledSeq,
+    SchedulerOutput,
+)
 from pagedjax.engine.kv_cache_manager import KVCacheManager
 from pagedjax.engine.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class SampledToken:
-    """A token drawn for a request: its id, logprob and rank (1 = most likely) under the raw
-    distribution, and the top `logprobs` alternatives [(id, logprob)] if the request asked."""
-
-    token_id: int
-    logprob: float
-    rank: int | None = None
-    top: list[tuple[int, float]] | None = None
-
-
-@dataclasses.dataclass
-class NewRequestData:
-    """A request entering the batch (first time, after a preemption, or forked).
-
-    token_ids: every token it knows (prompt + output so far); block_ids: its whole block table;
-    num_computed_tokens: tokens already in the cache (prefix-cache hits, shared or swapped-in
-    blocks).
-    """
-
-    req_id: str
-    token_ids: list[int]
-    num_prompt_tokens: int
-    block_ids: list[int]
-    num_computed_tokens: int
-    request: Request
-
-
-@dataclasses.dataclass
-class CachedRequestData:
-    """A request that was in the previous step's batch: its progress, the blocks appended to
-    its table, and (index, block id) entries replaced by copy-on-write."""
-
-    req_id: str
-    new_block_ids: list[int]
-    num_computed_tokens: int
-    replaced_block_ids: list[tuple[int, int]] = dataclasses.field(default_factory=list)
-
-
-@dataclasses.dataclass
-class SchedulerOutput:
-    """What the runner does this step, in this order: swap blocks out to the host, swap
-    blocks in, copy blocks, then compute `num_scheduled_tokens` (in batch order)."""
-
-    scheduled_new_reqs: list[NewRequestData]
-    scheduled_cached_reqs: list[CachedRequestData]
-    num_scheduled_tokens: dict[str, int]
-    total_num_scheduled_tokens: int
-    finished_req_ids: set[str]
-    preempted_req_ids: set[str]
-    blocks_to_swap_out: list[tuple[int, int]] = dataclasses.field(default_factory=list)
-    blocks_to_swap_in: list[tuple[int, int]] = dataclasses.field(default_factory=list)
-    blocks_to_copy: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -159,16 +116,15 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager):
         self.config = config
         self.kv = kv_cache_manager
-        self.requests: dict[str, Request] = {}  # every unfinished request
+        self.requests: dict[str, Request] = {}  # every request not yet reported finished
         self.waiting = _WaitingQueue(config.scheduling_policy)
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
-        self.pending_forks: dict[str, list[Request]] = {}  # parent id -> siblings to fork
-        self.finished_req_ids: set[str] = set()
+        self.forks = ForkGroups()
+        self.finished_req_ids: set[str] = set()  # ended since the last schedule()
         self.num_preemptions = 0
         self.num_swap_outs = 0  # preemptions that went to the host pool
         self.prompt_tokens_computed = 0
-        self._stopped_in_schedule: list[Request] = []
 
     # ----------------------------------------------------------------- requests in / out
 
@@ -190,39 +146,39 @@ class Scheduler:
             )
         self.requests[request.request_id] = request
         if fork_of is not None and fork_of.request_id in self.requests:
-            self.pending_forks.setdefault(fork_of.request_id, []).append(request)
+            self.forks.hold(request, fork_of)
         else:
             self.waiting.add(request)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
-        """Ends requests in any unfinished state (abort, or a stop string found by the
-        detokenizer) and frees their blocks. Unknown or finished ids are ignored."""
-        reqs = [self.requests[i] for i in request_ids if i in self.requests]
+        """Ends requests in any unfinished state (an abort) and frees their blocks at once.
+        Unknown or finished ids are ignored."""
+        reqs = [
+            self.requests[i]
+            for i in request_ids
+            if i in self.requests and not self.requests[i].is_finished
+        ]
         gone = {id(r) for r in reqs}
         self.running = [r for r in self.running if id(r) not in gone]
         self.swapped = deque(r for r in self.swapped if id(r) not in gone)
         self.waiting.remove(reqs)
-        for parent_id in list(self.pending_forks):
-            kept = [r for r in self.pending_forks[parent_id] if id(r) not in gone]
-            if kept:
-                self.pending_forks[parent_id] = kept
-            else:
-                del self.pending_forks[parent_id]
+        self.forks.discard(reqs)
         for r in reqs:
-            r.status = status
-            self._free(r)
+            self._finish(r, status)
+            del self.requests[r.request_id]
         return reqs
 
-    def _free(self, request: Request) -> None:
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        """Marks a request finished and frees its blocks; a sibling waiting for its prompt
+        takes its place."""
+        request.status = status
+        if request.detokenizer is not None:
+            request.detokenizer.flush(request.output_token_ids)
         self.kv.free(request)
-        self.requests.pop(request.request_id, None)
         self.finished_req_ids.add(request.request_id)
-        siblings = self.pending_forks.pop(request.request_id, None)
-        if siblings:  # it ended before its prompt was computed: the next sibling takes over
-            head, rest = siblings[0], siblings[1:]
+        head = self.forks.parent_ended(request)
+        if head is not None:
             self.waiting.add_front(head)
-            if rest:
-                self.pending_forks[head.request_id] = rest
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -230,16 +186,146 @@ class Scheduler:
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached block that no request holds. Returns False (and does nothing)
+        while a request holds blocks, as vLLM does."""
+        return self.kv.reset_prefix_cache()
+
     # ----------------------------------------------------------------- scheduling
 
-    def _preempt(self, request: Request, swap_out: list[tuple[int, int]]) -> None:
+    def schedule(self) -> SchedulerOutput:
+        """Chooses this step's requests and token counts; allocates their blocks."""
+        step = _StepPlan(self.config.max_num_batched_tokens)
+        if self.config.scheduling_policy == "priority":
+            # Highest priority first; the victim of a preemption is then always the last one,
+            # which has not been scheduled yet in this step (or is the request being served).
+            self.running.sort(key=lambda r: (r.priority, r.arrival_time))
+            self.swapped = deque(sorted(self.swapped, key=lambda r: (r.priority, r.arrival_time)))
+        self._schedule_running(step)
+        if not step.preempted:
+            self._schedule_swapped(step)
+        if not step.preempted and not self.swapped:
+            self._schedule_waiting(step)
+
+        # Batch order: running requests (in running-list order), then the new ones.
+        new_ids = {d.req_id for d in step.new_reqs}
+        order = [
+            r.request_id
+            for r in self.running
+            if r.request_id in step.seqs and r.request_id not in new_ids
+        ]
+        order += [d.req_id for d in step.new_reqs]
+        out = SchedulerOutput(
+            scheduled_new_reqs=step.new_reqs,
+            scheduled_cached_reqs=[step.cached[r] for r in order if r in step.cached],
+            scheduled=[step.seqs[r] for r in order],
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids=step.preempted,
+            blocks_to_swap_out=step.swap_out,
+            blocks_to_swap_in=step.swap_in,
+            blocks_to_copy=self.kv.take_pending_copies(),
+            stopped_req_ids=step.stopped,
+        )
+        self.finished_req_ids = set()
+        return out
+
+    def _schedule_running(self, step: _StepPlan) -> None:
+        """Running requests first, in order; preempts from the back when blocks run out."""
+        i = 0
+        while i < len(self.running) and step.budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, step.budget)
+            new_blocks = self.kv.allocate_slots(req, n)
+            while new_blocks is None and req in self.running:
+                if len(self.running) == 1:
+                    self._stop_for_lack_of_cache(req, step)
+                    break
+                victim = self.running.pop()
+                self._preempt(victim, step)
+                if victim is not req:
+                    new_blocks = self.kv.allocate_slots(req, n)
+            if new_blocks is None:
+                continue  # req was preempted or stopped; self.running[i] is the next one
+            step.cached[req.request_id] = CachedRequestData(
+                req.request_id, tuple(new_blocks), tuple(self.kv.take_replaced(req.request_id))
+            )
+            self._add_seq(req, n, step)
+            i += 1
+
+    def _schedule_swapped(self, step: _StepPlan) -> None:
+        """Swapped requests come back while blocks, budget and max_num_seqs allow."""
+        while self.swapped and step.budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.swapped[0]
+            n = min(req.num_tokens - req.num_computed_tokens, step.budget)
+            mapping = self.kv.swap_in(req, n)
+            if mapping is None:
+                break
+            self.swapped.popleft()
+            step.swap_in.extend(mapping)
+            self._start(req, n, step)
+
+    def _schedule_waiting(self, step: _StepPlan) -> None:
+        """Waiting requests are admitted while blocks, budget and max_num_seqs allow; each
+        starts after its longest prefix-cache hit."""
+        cfg = self.config
+        while step.budget > 0 and len(self.waiting) > 0 and len(self.running) < cfg.max_num_seqs:
+            req = self.waiting.peek()
+            if req.num_computed_tokens == 0:
+                hits, num_hit_tokens = self.kv.get_computed_blocks(req)
+            else:  # forked: it holds the blocks of its first num_computed_tokens already
+                hits, num_hit_tokens = [], 0
+            n = req.num_tokens - req.num_computed_tokens - num_hit_tokens
+            if n > step.budget and not cfg.enable_chunked_prefill:
+                break
+            n = min(n, step.budget)
+            if self.kv.allocate_slots(req, n, hits) is None:
+                break
+            self.waiting.pop()
+            req.num_computed_tokens += num_hit_tokens
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit_tokens
+            self._start(req, n, step)
+
+    def _start(self, req: Request, n: int, step: _StepPlan) -> None:
+        """Moves a request into the running batch; the runner gets its whole table."""
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        self.kv.take_replaced(req.request_id)  # the runner gets the whole table anyway
+        step.new_reqs.append(
+            NewRequestData(
+                req.request_id,
+                req.spec,
+                tuple(req.all_token_ids),
+                tuple(self.kv.get_block_ids(req.request_id)),
+            )
+        )
+        self._add_seq(req, n, step)
+
+    def _add_seq(self, req: Request, n: int, step: _StepPlan) -> None:
+        start = req.num_computed_tokens
+        samples = start + n == req.num_tokens
+        k = req.spec.longest_bad_word - 1
+        recent = tuple(req.output_token_ids[-k:]) if samples and k > 0 else ()
+        step.seqs[req.request_id] = ScheduledSeq(
+            req.request_id,
+            tuple(req.all_token_ids[start : start + n]),
+            start,
+            req.num_output_tokens,
+            samples,
+            recent,
+        )
+        self.prompt_tokens_computed += max(0, min(start + n, req.num_prompt_tokens) - start)
+        step.budget -= n
+
+    def _preempt(self, request: Request, step: _StepPlan) -> None:
         request.num_preemptions += 1
         self.num_preemptions += 1
+        step.preempted.add(request.request_id)
         if self.config.preemption_mode == "swap":
             mapping = self.kv.swap_out(request)
             if mapping is not None:
                 self.num_swap_outs += 1
-                swap_out.extend(mapping)
+                step.swap_out.extend(mapping)
                 request.status = RequestStatus.SWAPPED
                 self.swapped.appendleft(request)
                 return
@@ -251,149 +337,25 @@ class Scheduler:
         request.num_computed_tokens = 0
         self.waiting.add_front(request)
 
-    def _new_data(self, req: Request) -> NewRequestData:
-        self.kv.take_replaced(req.request_id)  # the runner gets the whole table anyway
-        return NewRequestData(
+    def _stop_for_lack_of_cache(self, req: Request, step: _StepPlan) -> None:
+        """Alone, and still no room: the pool cannot hold this sequence any longer."""
+        self.running.remove(req)
+        self._finish(req, RequestStatus.FINISHED_LENGTH_CAPPED)
+        step.stopped.append(req.request_id)
+        logger.warning(
+            "request %s stopped at %d tokens: the KV cache cannot hold more",
             req.request_id,
-            list(req.all_token_ids),
-            req.num_prompt_tokens,
-            list(self.kv.get_block_ids(req.request_id)),
-            req.num_computed_tokens,
-            req,
+            req.num_tokens,
         )
 
-    def _count_prompt_tokens(self, req: Request, n: int) -> None:
-        start = req.num_computed_tokens
-        self.prompt_tokens_computed += max(0, min(start + n, req.num_prompt_tokens) - start)
-
-    def schedule(self) -> SchedulerOutput:
-        """Chooses this step's requests and token counts; allocates their blocks."""
-        cfg = self.config
-        budget = cfg.max_num_batched_tokens
-        num_scheduled: dict[str, int] = {}
-        cached_reqs: dict[str, CachedRequestData] = {}
-        new_reqs: list[NewRequestData] = []
-        preempted: set[str] = set()
-        swap_out: list[tuple[int, int]] = []
-        swap_in: list[tuple[int, int]] = []
-        if cfg.scheduling_policy == "priority":
-            # Highest priority first; the victim of a preemption is then always the last one,
-            # which has not been scheduled yet in this step (or is the request being served).
-            self.running.sort(key=lambda r: (r.priority, r.arrival_time))
-            self.swapped = deque(sorted(self.swapped, key=lambda r: (r.priority, r.arrival_time)))
-
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            new_blocks = None
-            while True:
-                new_blocks = self.kv.allocate_slots(req, n)
-                if new_blocks is not None:
-                    break
-                if len(self.running) == 1:
-                    # Alone, and still no room: the pool cannot hold this sequence any longer.
-                    self.running.pop()
-                    req.status = RequestStatus.FINISHED_LENGTH_CAPPED
-                    self._free(req)
-                    self._stopped_in_schedule.append(req)
-                    logger.warning(
-                        "request %s stopped at %d tokens: the KV cache cannot hold more",
-                        req.request_id,
-                        req.num_tokens,
-                    )
-                    break
-                victim = self.running.pop()
-                self._preempt(victim, swap_out)
-                preempted.add(victim.request_id)
-                if victim is req:
-                    break
-            if new_blocks is None:
-                continue  # req was preempted or stopped; self.running[i] is the next one
-            self._count_prompt_tokens(req, n)
-            num_scheduled[req.request_id] = n
-            cached_reqs[req.request_id] = CachedRequestData(
-                req.request_id,
-                new_blocks,
-                req.num_computed_tokens,
-                self.kv.take_replaced(req.request_id),
-            )
-            budget -= n
-            i += 1
-
-        while (
-            not preempted and self.swapped and budget > 0 and len(self.running) < cfg.max_num_seqs
-        ):
-            req = self.swapped[0]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            mapping = self.kv.swap_in(req, n)
-            if mapping is None:
-                break
-            self.swapped.popleft()
-            swap_in.extend(mapping)
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            new_reqs.append(self._new_data(req))
-            self._count_prompt_tokens(req, n)
-            num_scheduled[req.request_id] = n
-            budget -= n
-
-        while (
-            not preempted
-            and not self.swapped
-            and budget > 0
-            and len(self.waiting) > 0
-            and len(self.running) < cfg.max_num_seqs
-        ):
-            req = self.waiting.peek()
-            if req.num_computed_tokens == 0:
-                hits, num_hit_tokens = self.kv.get_computed_blocks(req)
-            else:  # forked: it holds the blocks of its first num_computed_tokens already
-                hits, num_hit_tokens = [], 0
-            n = req.num_tokens - req.num_computed_tokens - num_hit_tokens
-            if n > budget and not cfg.enable_chunked_prefill:
-                break
-            n = min(n, budget)
-            new_blocks = self.kv.allocate_slots(req, n, hits)
-            if new_blocks is None:
-                break
-            self.waiting.pop()
-            req.num_computed_tokens += num_hit_tokens
-            if req.num_cached_tokens < 0:
-                req.num_cached_tokens = num_hit_tokens
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            new_reqs.append(self._new_data(req))
-            self._count_prompt_tokens(req, n)
-            num_scheduled[req.request_id] = n
-            budget -= n
-
-        # Batch order: running requests (in running-list order), then the new ones.
-        new_ids = {d.req_id for d in new_reqs}
-        ordered = {
-            r.request_id: num_scheduled[r.request_id]
-            for r in self.running
-            if r.request_id in num_scheduled and r.request_id not in new_ids
-        }
-        ordered.update((d.req_id, num_scheduled[d.req_id]) for d in new_reqs)
-        out = SchedulerOutput(
-            scheduled_new_reqs=new_reqs,
-            scheduled_cached_reqs=[cached_reqs[r] for r in ordered if r in cached_reqs],
-            num_scheduled_tokens=ordered,
-            total_num_scheduled_tokens=sum(ordered.values()),
-            finished_req_ids=self.finished_req_ids,
-            preempted_req_ids=preempted,
-            blocks_to_swap_out=swap_out,
-            blocks_to_swap_in=swap_in,
-            blocks_to_copy=self.kv.take_pending_copies(),
-        )
-        self.finished_req_ids = set()
-        return out
+    # ----------------------------------------------------------------- after the step
 
     def update_from_output(
         self, out: SchedulerOutput, sampled: dict[str, SampledToken]
     ) -> list[Request]:
-        """Advances the scheduled requests and appends their sampled tokens.
+        """Advances the scheduled requests, appends their sampled tokens and ends those that
+        are done (in this order: EOS, a stop token id, max_tokens or max_model_len, a stop
+        string); finished requests are freed and forgotten.
 
         Args:
             out: this step's `SchedulerOutput`.
@@ -402,39 +364,35 @@ class Scheduler:
 
         Returns:
             The requests that received a token this step, and those `schedule()` stopped for
-            lack of KV cache (finished ones are already freed; their status says why).
+            lack of KV cache (their status says whether and why they finished).
         """
-        progressed, self._stopped_in_schedule = self._stopped_in_schedule, []
-        for req_id, n in out.num_scheduled_tokens.items():
-            req = self.requests.get(req_id)
+        progressed = [self.requests.pop(rid) for rid in out.stopped_req_ids]
+        for seq in out.scheduled:
+            req = self.requests.get(seq.req_id)
             if req is None or req.status != RequestStatus.RUNNING:
-                continue  # finished meanwhile (e.g. stopped for lack of KV cache)
-            req.num_computed_tokens += n
-            if req_id not in sampled:
+                continue  # ended meanwhile (aborted, or stopped for lack of KV cache)
+            req.num_computed_tokens += len(seq.token_ids)
+            token = sampled.get(seq.req_id)
+            if token is None:
                 continue
-            token = sampled[req_id].token_id
-            req.append_output_token(token, sampled[req_id].logprob)
-            if req_id in self.pending_forks:
-                self._fork_siblings(req)
-            status = self._check_stop(req, token)
+            req.append_output_token(token.token_id, token.logprob)
+            if self.forks.has_siblings(req):
+                for child in self.forks.fork(req, self.kv):
+                    self.waiting.add_front(child)
+            status = self._check_stop(req)
             if status is not None:
-                req.status = status
                 self.running.remove(req)
-                self._free(req)
+                self._finish(req, status)
+                del self.requests[req.request_id]
             progressed.append(req)
         return progressed
 
-    def _fork_siblings(self, parent: Request) -> None:
-        """The parent has computed its prompt: its siblings share those blocks and compute
-        only the last prompt token themselves (to sample their own first token)."""
-        shared = parent.num_prompt_tokens - 1
-        for child in self.pending_forks.pop(parent.request_id):
-            self.kv.fork(parent, child, shared)
-            child.num_computed_tokens = shared
-            self.waiting.add_front(child)
-
-    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+    def _check_stop(self, req: Request) -> RequestStatus | None:
+        """Whether the request ends with its last token (sets `stop_reason` if so)."""
         p = req.sampling_params
+        token = req.output_token_ids[-1]
+        # The text grows with every token, whatever ends the request.
+        stop_string = req.detokenizer.update(req.output_token_ids) if req.detokenizer else None
         if req.num_output_tokens >= p.min_tokens:
             if token == req.eos_token_id and not p.ignore_eos:
                 return RequestStatus.FINISHED_STOPPED
@@ -443,6 +401,9 @@ class Scheduler:
                 return RequestStatus.FINISHED_STOPPED
         if req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH_CAPPED
+        if stop_string is not None:
+            req.stop_reason = stop_string
+            return RequestStatus.FINISHED_STOPPED
         return None
 
     def stats(self) -> SchedulerStats:
@@ -458,3 +419,17 @@ class Scheduler:
             prefix_cache_hits=s.hits,
             prompt_tokens_computed=self.prompt_tokens_computed,
         )
+
+
+@dataclasses.dataclass
+class _StepPlan:
+    """What `schedule()` has decided so far this step."""
+
+    budget: int
+    seqs: dict[str, ScheduledSeq] = dataclasses.field(default_factory=dict)
+    cached: dict[str, CachedRequestData] = dataclasses.field(default_factory=dict)
+    new_reqs: list[NewRequestData] = dataclasses.field(default_factory=list)
+    preempted: set[str] = dataclasses.field(default_factory=set)
+    stopped: list[str] = dataclasses.field(default_factory=list)
+    swap_out: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    swap_in: list[tuple[int, int]] = dataclasses.field(default_factory=list)

@@ -32,7 +32,6 @@ import jax.numpy as jnp
 from flax import struct
 
 SAMPLING_EPS = 1e-5  # temperatures below this are greedy (vLLM's _SAMPLING_EPS)
-MAX_BANNED = 16  # token ids banned per row and step (min_tokens stops, bad-word endings)
 
 
 @struct.dataclass
@@ -73,7 +72,8 @@ class SamplingMetadata:
         repetition_penalty, presence_penalty, frequency_penalty: [S] float32 (1, 0, 0: off).
         use_bias: [S] bool, add the slot's bias row.
         slot: [S] int32, the row of `SamplingState` that belongs to this request.
-        banned: [S, MAX_BANNED] int32 token ids masked this step, -1 for none.
+        banned: [S, B] int32 token ids masked this step, -1 for none (B: the packed layout's
+            `engine.input_batch.MAX_BANNED`).
         counts: [S] bool, the row's sample is real (not a padding or mid-prefill row), so
             it is added to the output counts.
     """
