@@ -42,6 +42,7 @@ import numpy as np
 from pagedjax.models import quant_loader
 from pagedjax.models.llama import LlamaArchConfig, param_shapes
 from pagedjax.ops import cpu_linear, quant
+from pagedjax.paths import cache_root
 
 logger = logging.getLogger(__name__)
 
@@ -437,12 +438,6 @@ def _file_fingerprint(path: str) -> str:
     st = os.stat(path)
     key = f"{os.path.realpath(path)}|{st.st_size}|{st.st_mtime_ns}|v{_CONVERSION_VERSION}"
     return hashlib.sha256(key.encode()).hexdigest()[:16]
-
-
-def cache_root(download_dir: str | None = None) -> Path:
-    """Folder for conversions: `download_dir`, else $PAGEDJAX_CACHE_DIR, else ~/.cache/pagedjax."""
-    root = download_dir or os.environ.get("PAGEDJAX_CACHE_DIR") or "~/.cache/pagedjax"
-    return Path(root).expanduser()
 
 
 def converted_gguf_source(source: ModelSource, download_dir: str | None = None) -> ModelSource:
