@@ -215,9 +215,10 @@ def load_params(
         cfg: the source's architecture.
         dtype: "float32", "bfloat16" or "float16"; weights are converted on the host.
         sharding_for: optional map from a param path ("layers/q_proj") to a jax Sharding.
-        quantization: None, or a method of `ops.quant.METHODS` as `resolve_quantization`
-            returns it: the checkpoint's own ("awq", "gptq", "fp8", or a saved conversion's),
-            or "int8" / "w8a8" / "fp8" to quantize float weights on load ("gguf": as None).
+        quantization: None, or a method of `ops.choices.QUANTIZATION_METHODS` as
+            `resolve_quantization` returns it: the checkpoint's own ("awq", "gptq", "fp8", or a
+            saved conversion's), or "int8" / "w8a8" / "fp8" to quantize float weights on load
+            ("gguf": as None).
         kv_cache_dtype: "auto" drops a checkpoint's KV-cache scales; a float8 cache keeps
             them as `layers/k_scale`, `layers/v_scale` [L] float32.
 

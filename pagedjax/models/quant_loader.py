@@ -40,20 +40,17 @@ from typing import Any
 import jax
 import numpy as np
 
-from pagedjax.ops.quant import (
+from pagedjax.ops.choices import (
     INT4_METHODS,
-    LINEAR_WEIGHTS,
-    METHODS,
+    QUANTIZATION_ALIASES,
+    QUANTIZATION_CHOICES,
     QUANTIZE_ON_LOAD,
-    QuantizedWeight,
-    quantize_weight,
 )
+from pagedjax.ops.choices import QUANTIZATION_METHODS as METHODS
+from pagedjax.ops.quant import LINEAR_WEIGHTS, QuantizedWeight, quantize_weight
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 GPTQ_ORDER = tuple(range(8))
-# vLLM's alternative names for the same formats (its Marlin kernels read the same files).
-QUANTIZATION_ALIASES = {"awq_marlin": "awq", "gptq_marlin": "gptq"}
-QUANTIZATION_CHOICES = (*METHODS, "awq_marlin", "gptq_marlin", "gguf")
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.([a-z_]+)$")
 _HF_MODULES = {
     "self_attn.q_proj": "q_proj",
