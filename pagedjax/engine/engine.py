@@ -21,13 +21,14 @@ from collections.abc import Iterable
 
 import jax
 
-from pagedjax.config import EngineArgs, EngineConfig
+from pagedjax.config import EngineConfig
 from pagedjax.engine.kv_cache_manager import KVCacheManager
 from pagedjax.engine.metrics import StatLogger
 from pagedjax.engine.output_processor import OutputProcessor
 from pagedjax.engine.request import Request, RequestStatus
 from pagedjax.engine.runner import ModelRunner
 from pagedjax.engine.scheduler import Scheduler
+from pagedjax.engine_args import EngineArgs
 from pagedjax.inputs import PromptType, parse_prompt
 from pagedjax.models import llama, loader
 from pagedjax.ops import cpu_linear
