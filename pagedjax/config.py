@@ -23,6 +23,9 @@ ATTENTION_BACKENDS = ("auto", *choices.ATTENTION_BACKENDS)
 KV_CACHE_DTYPES = ("auto", *choices.FP8_KV_CACHE_DTYPES)
 # vLLM's names (awq_marlin / gptq_marlin read the same files as awq / gptq), see `ops.choices`.
 QUANTIZATION_METHODS = choices.QUANTIZATION_CHOICES
+SCHEDULING_POLICIES = ("fcfs", "priority")
+PREEMPTION_MODES = ("recompute", "swap")
+EXECUTOR_BACKENDS = (None, "mp", "ray")
 # CPU defaults (vLLM's GPU defaults apply on accelerators).
 CPU_DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 GPU_DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
@@ -146,9 +149,9 @@ class SchedulerConfig:
                 f"without chunked prefill, max_num_batched_tokens ({self.max_num_batched_tokens})"
                 f" must be >= max_model_len ({self.max_model_len})"
             )
-        if self.scheduling_policy not in ("fcfs", "priority"):
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise _bad("scheduling_policy", "'fcfs' or 'priority'", self.scheduling_policy)
-        if self.preemption_mode not in ("recompute", "swap"):
+        if self.preemption_mode not in PREEMPTION_MODES:
             raise _bad("preemption_mode", "'recompute' or 'swap'", self.preemption_mode)
 
 
@@ -183,7 +186,7 @@ class ParallelConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise _bad(name, "an integer >= 1", v)
-        if self.distributed_executor_backend not in (None, "mp", "ray"):
+        if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
             raise _bad(
                 "distributed_executor_backend",
                 "None, 'mp' or 'ray'",

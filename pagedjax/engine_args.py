@@ -16,8 +16,11 @@ from pagedjax.config import (
     ALLOWED_BLOCK_SIZES,
     ATTENTION_BACKENDS,
     DTYPES,
+    EXECUTOR_BACKENDS,
     KV_CACHE_DTYPES,
+    PREEMPTION_MODES,
     QUANTIZATION_METHODS,
+    SCHEDULING_POLICIES,
     EngineConfig,
 )
 from pagedjax.config_resolution import resolve_engine_config
@@ -73,17 +76,15 @@ class EngineArgs:
         choices=QUANTIZATION_METHODS,
     )
     enable_chunked_prefill: bool = _field(True, "Prefill long prompts over several steps.")
-    scheduling_policy: str = _field("fcfs", "Scheduling policy.", choices=("fcfs", "priority"))
-    preemption_mode: str = _field(
-        "recompute", "What preemption does.", choices=("recompute", "swap")
-    )
+    scheduling_policy: str = _field("fcfs", "Scheduling policy.", choices=SCHEDULING_POLICIES)
+    preemption_mode: str = _field("recompute", "What preemption does.", choices=PREEMPTION_MODES)
     tensor_parallel_size: int = _field(1, "Tensor-parallel size.")
     pipeline_parallel_size: int = _field(1, "Pipeline-parallel size.")
     data_parallel_size: int = _field(1, "Data-parallel size.")
     distributed_executor_backend: str | None = _field(
         None,
         "Multi-process backend: 'mp' (processes you start, one per host) or 'ray'.",
-        choices=(None, "mp", "ray"),
+        choices=EXECUTOR_BACKENDS,
     )
     coordinator_address: str | None = _field(
         None, "host:port of process 0, for jax.distributed.initialize."
