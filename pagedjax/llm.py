@@ -9,8 +9,8 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from pagedjax.config import EngineArgs
 from pagedjax.engine.dp_engine import create_engine
+from pagedjax.engine_args import EngineArgs
 from pagedjax.errors import InvalidInputError
 from pagedjax.inputs import PromptType
 from pagedjax.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from conftest import make_checkpoint
 
-from pagedjax.config import EngineArgs
+from pagedjax.engine_args import EngineArgs
 from pagedjax.models import loader, quant_export
 from pagedjax.ops import quant
 

@@ -33,7 +33,8 @@ def smol_float():
 
 @pytest.fixture(scope="module")
 def float_perplexity(smol_float):
-    from pagedjax.models import loader, scoring
+    from pagedjax import scoring
+    from pagedjax.models import loader
 
     source, cfg, ids = smol_float
     return scoring.perplexity(scoring.token_logprobs(loader.load_params(source, cfg), cfg, ids))
@@ -50,7 +51,8 @@ def float_perplexity(smol_float):
 def test_perplexity_close_to_float32(
     smol_float, float_perplexity, quantization, kv_cache_dtype, bound
 ):
-    from pagedjax.models import loader, scoring
+    from pagedjax import scoring
+    from pagedjax.models import loader
 
     source, cfg, ids = smol_float
     ref = float_perplexity

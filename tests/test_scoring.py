@@ -1,4 +1,4 @@
-"""`models.scoring.token_logprobs` (the perplexity benchmark's measure) against Hugging Face's
+"""`scoring.token_logprobs` (the perplexity benchmark's measure) against Hugging Face's
 log-softmax at every position, through chunked prefill, and under quantization."""
 
 from __future__ import annotations
@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from pagedjax.models import loader, scoring
+from pagedjax import scoring
+from pagedjax.models import loader
 from pagedjax.ops import quant
 
 

@@ -15,6 +15,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pagedjax import SamplingParams
+from pagedjax.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from tests.server_utils import RemoteServer, num_blocks, tiny_server_args, wait_idle
 
 KEY = "test-key"
@@ -150,8 +156,21 @@ def _assert_openai_error(r: httpx.Response, status: int, param: str | None) -> N
         assert err["param"] is not None and err["param"].startswith(param), err
 
 
-def test_table_has_at_least_20_cases():
-    assert len(CASES) >= 20 and len({c[0] for c in CASES}) == len(CASES)
+def test_every_case_expects_a_4xx_naming_a_field_of_its_request_model():
+    """The table's expectations are consistent with the API: each case expects a client
+    error, and the `param` it expects is a field of the request model its path parses
+    (a typo there would make the server test pass on a wrong param or fail for no reason)."""
+    models = {
+        C: CompletionRequest,
+        CHAT: ChatCompletionRequest,
+        "/tokenize": TokenizeRequest,
+        "/detokenize": DetokenizeRequest,
+    }
+    assert len({c[0] for c in CASES}) == len(CASES), "case ids must be unique"
+    for id_, _method, path, _body, _headers, status, param in CASES:
+        assert 400 <= status < 500, id_
+        if param is not None:
+            assert param in models[path].model_fields, (id_, param, models[path].__name__)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])

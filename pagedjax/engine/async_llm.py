@@ -33,11 +33,11 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from pagedjax.config import EngineArgs
 from pagedjax.engine.dp_engine import DataParallelEngine, create_engine
 from pagedjax.engine.engine import LLMEngine
 from pagedjax.engine.prometheus import PrometheusStatLogger
 from pagedjax.engine.scheduler import SchedulerStats
+from pagedjax.engine_args import EngineArgs
 from pagedjax.inputs import PromptType
 from pagedjax.outputs import CompletionOutput, RequestOutput
 from pagedjax.sampling_params import RequestOutputKind, SamplingParams

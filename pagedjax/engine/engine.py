@@ -22,7 +22,7 @@ from collections.abc import Iterable
 
 import jax
 
-from pagedjax.config import EngineArgs, EngineConfig
+from pagedjax.config import EngineConfig
 from pagedjax.engine.detokenizer import IncrementalDetokenizer
 from pagedjax.engine.input_processor import InputProcessor
 from pagedjax.engine.kv_cache_manager import KVCacheManager
@@ -31,6 +31,7 @@ from pagedjax.engine.output_processor import OutputProcessor
 from pagedjax.engine.request import Request, RequestStatus
 from pagedjax.engine.runner import ModelRunner
 from pagedjax.engine.scheduler import Scheduler
+from pagedjax.engine_args import EngineArgs
 from pagedjax.inputs import PromptType
 from pagedjax.models import llama, loader
 from pagedjax.ops import cpu_linear

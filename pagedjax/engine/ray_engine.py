@@ -20,7 +20,7 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
-from pagedjax.config import EngineArgs
+from pagedjax.engine_args import EngineArgs
 
 
 class _Worker:

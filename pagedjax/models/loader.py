@@ -40,8 +40,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from pagedjax.models import quant_loader
+from pagedjax.models.hf_format import HF_LAYER_NAMES, hf_config_dict
 from pagedjax.models.llama import LlamaArchConfig, param_shapes
 from pagedjax.ops import cpu_linear, quant
+from pagedjax.paths import cache_root
 
 logger = logging.getLogger(__name__)
 
@@ -214,9 +216,10 @@ def load_params(
         cfg: the source's architecture.
         dtype: "float32", "bfloat16" or "float16"; weights are converted on the host.
         sharding_for: optional map from a param path ("layers/q_proj") to a jax Sharding.
-        quantization: None, or a method of `ops.quant.METHODS` as `resolve_quantization`
-            returns it: the checkpoint's own ("awq", "gptq", "fp8", or a saved conversion's),
-            or "int8" / "w8a8" / "fp8" to quantize float weights on load ("gguf": as None).
+        quantization: None, or a method of `ops.choices.QUANTIZATION_METHODS` as
+            `resolve_quantization` returns it: the checkpoint's own ("awq", "gptq", "fp8", or a
+            saved conversion's), or "int8" / "w8a8" / "fp8" to quantize float weights on load
+            ("gguf": as None).
         kv_cache_dtype: "auto" drops a checkpoint's KV-cache scales; a float8 cache keeps
             them as `layers/k_scale`, `layers/v_scale` [L] float32.
 
@@ -267,20 +270,6 @@ def load_params(
 
 
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-_HF_LAYER_NAMES = {
-    "input_layernorm.weight": ("input_norm", False),
-    "self_attn.q_proj.weight": ("q_proj", True),
-    "self_attn.k_proj.weight": ("k_proj", True),
-    "self_attn.v_proj.weight": ("v_proj", True),
-    "self_attn.o_proj.weight": ("o_proj", True),
-    "self_attn.q_proj.bias": ("q_bias", False),
-    "self_attn.k_proj.bias": ("k_bias", False),
-    "self_attn.v_proj.bias": ("v_bias", False),
-    "post_attention_layernorm.weight": ("post_attn_norm", False),
-    "mlp.gate_proj.weight": ("gate_proj", True),
-    "mlp.up_proj.weight": ("up_proj", True),
-    "mlp.down_proj.weight": ("down_proj", True),
-}
 _GGUF_LAYER = re.compile(r"^blk\.(\d+)\.(.+)$")
 _GGUF_LAYER_NAMES = {
     "attn_norm.weight": "input_norm",
@@ -305,7 +294,7 @@ def _assign(stack: _StackedParams, cfg: LlamaArchConfig, name: str, value, kind:
         if name.endswith("rotary_emb.inv_freq"):
             return  # a buffer some old checkpoints saved; recomputed from the config
         if m := _HF_LAYER.match(name):
-            target, transpose = _HF_LAYER_NAMES.get(m.group(2), (None, False))
+            target, transpose = HF_LAYER_NAMES.get(m.group(2), (None, False))
             if target is None:
                 raise ValueError(f"unexpected tensor {name!r} for this architecture")
             stack.set_layer(target, int(m.group(1)), value.T if transpose else value, name)
@@ -439,12 +428,6 @@ def _file_fingerprint(path: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
-def cache_root(download_dir: str | None = None) -> Path:
-    """Folder for conversions: `download_dir`, else $PAGEDJAX_CACHE_DIR, else ~/.cache/pagedjax."""
-    root = download_dir or os.environ.get("PAGEDJAX_CACHE_DIR") or "~/.cache/pagedjax"
-    return Path(root).expanduser()
-
-
 def converted_gguf_source(source: ModelSource, download_dir: str | None = None) -> ModelSource:
     """The orbax conversion of a GGUF file, writing it first if it is not there yet."""
     out = cache_root(download_dir) / "converted" / f"{source.name}-{_file_fingerprint(source.path)}"
@@ -567,32 +550,6 @@ def save_converted(
     save_params(out / "params", params)
     with open(out / _CONVERTED_MARKER, "w") as f:
         json.dump({"origin": origin}, f)
-
-
-def hf_config_dict(cfg: LlamaArchConfig, dtype: str) -> dict[str, Any]:
-    """A Hugging Face style config.json dict of an architecture."""
-    return {
-        "architectures": [cfg.architecture],
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size,
-        "num_hidden_layers": cfg.num_hidden_layers,
-        "num_attention_heads": cfg.num_attention_heads,
-        "num_key_value_heads": cfg.num_key_value_heads,
-        "head_dim": cfg.head_dim,
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_parameters": {
-            "rope_type": "default",
-            **cfg.rope_scaling_dict,
-            "rope_theta": cfg.rope_theta,
-        },
-        "tie_word_embeddings": cfg.tie_word_embeddings,
-        "attention_bias": cfg.attention_bias,
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "bos_token_id": cfg.bos_token_id,
-        "eos_token_id": list(cfg.eos_token_ids),
-        "dtype": dtype,
-    }
 
 
 # ----------------------------------------------------------------------------- tokenizer

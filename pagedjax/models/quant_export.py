@@ -17,19 +17,9 @@ from typing import Any
 
 import numpy as np
 
+from pagedjax.models.hf_format import HF_LINEAR_MODULES, HF_TENSOR_NAMES, hf_config_dict
 from pagedjax.models.llama import LlamaArchConfig
 from pagedjax.models.quant_loader import AWQ_ORDER, GPTQ_ORDER, pack_int4_rows
-
-_HF_NAMES = {
-    "q_proj": "self_attn.q_proj",
-    "k_proj": "self_attn.k_proj",
-    "v_proj": "self_attn.v_proj",
-    "o_proj": "self_attn.o_proj",
-    "gate_proj": "mlp.gate_proj",
-    "up_proj": "mlp.up_proj",
-    "down_proj": "mlp.down_proj",
-}
-_HF_PLAIN = {"input_norm": "input_layernorm", "post_attn_norm": "post_attention_layernorm"}
 
 
 def rtn_int4(w: np.ndarray, g_idx: np.ndarray, num_groups: int, min_zero: int = 0):
@@ -113,8 +103,6 @@ def write_int4_checkpoint(
     whose linear layers are `method` ("awq" or "gptq") 4-bit tensors of float `params`."""
     from safetensors.numpy import save_file
 
-    from pagedjax.models.loader import hf_config_dict
-
     if method not in ("awq", "gptq"):
         raise ValueError(f"method must be 'awq' or 'gptq', got {method!r}")
     out = Path(out)
@@ -128,13 +116,10 @@ def write_int4_checkpoint(
     layers = params["layers"]
     for i in range(cfg.num_hidden_layers):
         prefix = f"model.layers.{i}."
-        for ours, hf in _HF_PLAIN.items():
-            tensors[prefix + hf + ".weight"] = np.asarray(layers[ours][i], np.float32)
-        for ours in ("q_bias", "k_bias", "v_bias"):
+        for ours in ("input_norm", "post_attn_norm", "q_bias", "k_bias", "v_bias"):
             if ours in layers:
-                hf = _HF_NAMES[ours.replace("bias", "proj")]
-                tensors[prefix + hf + ".bias"] = np.asarray(layers[ours][i], np.float32)
-        for ours, hf in _HF_NAMES.items():
+                tensors[prefix + HF_TENSOR_NAMES[ours]] = np.asarray(layers[ours][i], np.float32)
+        for hf, ours in HF_LINEAR_MODULES.items():
             w = np.asarray(layers[ours][i], np.float32)  # [in, out]
             for leaf, value in quantize_linear(w, method, group_size, desc_act, gptq_v2).items():
                 tensors[f"{prefix}{hf}.{leaf}"] = value

@@ -40,30 +40,19 @@ from typing import Any
 import jax
 import numpy as np
 
-from pagedjax.ops.quant import (
+from pagedjax.models.hf_format import HF_LINEAR_MODULES
+from pagedjax.ops.choices import (
     INT4_METHODS,
-    LINEAR_WEIGHTS,
-    METHODS,
+    QUANTIZATION_ALIASES,
+    QUANTIZATION_CHOICES,
     QUANTIZE_ON_LOAD,
-    QuantizedWeight,
-    quantize_weight,
 )
+from pagedjax.ops.choices import QUANTIZATION_METHODS as METHODS
+from pagedjax.ops.quant import LINEAR_WEIGHTS, QuantizedWeight, quantize_weight
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 GPTQ_ORDER = tuple(range(8))
-# vLLM's alternative names for the same formats (its Marlin kernels read the same files).
-QUANTIZATION_ALIASES = {"awq_marlin": "awq", "gptq_marlin": "gptq"}
-QUANTIZATION_CHOICES = (*METHODS, "awq_marlin", "gptq_marlin", "gguf")
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.([a-z_]+)$")
-_HF_MODULES = {
-    "self_attn.q_proj": "q_proj",
-    "self_attn.k_proj": "k_proj",
-    "self_attn.v_proj": "v_proj",
-    "self_attn.o_proj": "o_proj",
-    "mlp.gate_proj": "gate_proj",
-    "mlp.up_proj": "up_proj",
-    "mlp.down_proj": "down_proj",
-}
 _COMPONENTS = {
     "awq": ("qweight", "qzeros", "scales"),
     "gptq": ("qweight", "qzeros", "scales", "g_idx"),
@@ -305,7 +294,7 @@ class QuantTensorCollector:
             for which in _KV_SCALE_NAMES[leaf]:
                 self.kv_scales[which][layer] = float(np.asarray(value, np.float32).max())
             return True
-        target = _HF_MODULES.get(module)
+        target = HF_LINEAR_MODULES.get(module)
         if target is None or self.ckpt is None or leaf not in _COMPONENTS[self.ckpt.method]:
             return False
         if leaf == "weight" and value.dtype.itemsize != 1:

@@ -1,4 +1,4 @@
-"""Ragged paged attention: the one entry point the model calls, and its step metadata.
+"""Ragged paged attention: the one entry point the model calls, dispatching to a backend.
 
 A step's batch is flat and ragged: the query tokens of all S sequences lie back to back,
 sequence s owning tokens `query_start_loc[s] : query_start_loc[s + 1]` (decode: one token;
@@ -16,76 +16,20 @@ Implementations (all share `tests/test_attention.py`):
                  runs the linear layers of decode-sized steps and the LM head through the
                  native `cpu_linear.matmul`.
     "pallas"     `paged_attention_pallas`: the Pallas kernel (GPU; `interpret=True` on CPU).
+
+The step metadata the implementations share lives in `attention_metadata`; the
+implementations import it from there and never this module, which imports them.
 """
 
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
-from flax import struct
 
-BACKENDS = ("reference", "xla", "cpu", "pallas")
+from pagedjax.ops.attention_metadata import METADATA_FIELDS, AttentionMetadata
+from pagedjax.ops.choices import ATTENTION_BACKENDS as BACKENDS
 
-
-@struct.dataclass
-class AttentionMetadata:
-    """Per-step attention inputs, built on the host by the runner (all int32).
-
-    Attributes:
-        slot_mapping: [T] physical KV slot of each token (`block * block_size + offset`);
-            padding tokens map into the null block 0.
-        positions: [T] absolute position of each token (0 for padding).
-        seq_lens: [S] KV length of each sequence after this step (0 for padding rows).
-        query_start_loc: [S + 1] start of each sequence's queries in the flat batch; padding
-            rows repeat the total number of real tokens.
-        block_tables: [S, B] physical block ids of each sequence (0 = null block padding).
-        last_token_index: [S] flat index of each sequence's last query token, T for padding
-            rows (the XLA path computes every sequence's last token as a decode row).
-        tile_seq: [NT] sequence of each prefill query tile (sequences with more than one
-            query token are cut into tiles of `query_tile_size` tokens).
-        tile_q_start: [NT] flat index of a tile's first query token.
-        tile_q_len: [NT] number of real query tokens in the tile (<= query_tile_size).
-        tile_kv_len: [NT] KV tokens the tile's last query attends to (its position + 1).
-        num_tiles: [] number of valid tiles.
-        query_tile_size: static; query tokens per prefill tile.
-        kv_chunk_pages: static; KV pages processed per inner step of the XLA path.
-    """
-
-    slot_mapping: jax.Array
-    positions: jax.Array
-    seq_lens: jax.Array
-    query_start_loc: jax.Array
-    block_tables: jax.Array
-    last_token_index: jax.Array
-    tile_seq: jax.Array
-    tile_q_start: jax.Array
-    tile_q_len: jax.Array
-    tile_kv_len: jax.Array
-    num_tiles: jax.Array
-    query_tile_size: int = struct.field(pytree_node=False, default=32)
-    kv_chunk_pages: int = struct.field(pytree_node=False, default=8)
-
-    @classmethod
-    def from_arrays(cls, arrays, **static) -> AttentionMetadata:
-        """The metadata fields (`METADATA_FIELDS`) picked from a mapping of named arrays, e.g.
-        `PackedLayout.unpack`'s; `static`: query_tile_size, kv_chunk_pages."""
-        return cls(**{f: arrays[f] for f in METADATA_FIELDS}, **static)
-
-
-# The array fields of AttentionMetadata, in order (the packed layout names them the same).
-METADATA_FIELDS = (
-    "slot_mapping",
-    "positions",
-    "seq_lens",
-    "query_start_loc",
-    "block_tables",
-    "last_token_index",
-    "tile_seq",
-    "tile_q_start",
-    "tile_q_len",
-    "tile_kv_len",
-    "num_tiles",
-)
+# The metadata is re-exported: the model and the engine import it from here, with the entry point.
+__all__ = ["BACKENDS", "METADATA_FIELDS", "AttentionMetadata", "ragged_paged_attention"]
 
 
 def ragged_paged_attention(
@@ -149,9 +93,3 @@ def ragged_paged_attention(
     else:
         raise ValueError(f"attention backend {backend!r} is unknown; choose one of {BACKENDS}")
     return impl(q, k_cache, v_cache, layer, md, sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale)
-
-
-def dequantize_pages(pages: jax.Array, scale: jax.Array | float | None) -> jax.Array:
-    """Pages read from the cache, in float32 (times `scale` for a quantized cache)."""
-    pages = pages.astype(jnp.float32)
-    return pages if scale is None else pages * scale

@@ -8,7 +8,7 @@ on one CPU device).
 
 The library is compiled with the system C++ compiler ($CXX, else g++; `-O3 -march=native`)
 against the FFI headers that ship with jaxlib, into `<cache root>/kernels/` (see
-`models.loader.cache_root`), keyed by the sources and their header, the flags, the jaxlib
+`paths.cache_root`), keyed by the sources and their header, the flags, the jaxlib
 version and the CPU model. `available()` is False, with the reason logged once, when there is
 no compiler or the build fails; `attention_backend="auto"` then keeps "xla".
 """
@@ -27,6 +27,8 @@ import tempfile
 from pathlib import Path
 
 import jax
+
+from pagedjax.paths import cache_root
 
 logger = logging.getLogger(__name__)
 
@@ -60,8 +62,6 @@ def _cpu_model() -> str:
 
 
 def _library_path(cxx: str) -> Path:
-    from pagedjax.models.loader import cache_root
-
     key = "|".join(
         [
             *(f.read_text() for f in (*SOURCES, *HEADERS)),

@@ -19,17 +19,11 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pagedjax.ops.choices import FP8_KV_CACHE_DTYPES
 from pagedjax.ops.quant import to_fp8
 
 # (k_cache, v_cache), each [L, num_blocks, block_size, K, H].
 KVCache = tuple[jax.Array, jax.Array]
-
-# kv_cache_dtype values other than "auto" and what they store.
-FP8_KV_CACHE_DTYPES = {
-    "fp8": jnp.float8_e4m3fn,
-    "fp8_e4m3": jnp.float8_e4m3fn,
-    "fp8_e5m2": jnp.float8_e5m2,
-}
 
 
 def kv_cache_jnp_dtype(kv_cache_dtype: str, model_dtype):

@@ -50,7 +50,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pagedjax.ops.attention import AttentionMetadata
+from pagedjax.ops.attention_metadata import AttentionMetadata
 
 _NEG = -1e30  # finite "minus infinity": keeps the online softmax free of inf - inf
 Q_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pagedjax.ops.attention import AttentionMetadata, dequantize_pages
+from pagedjax.ops.attention_metadata import AttentionMetadata, dequantize_pages
 
 
 def paged_attention_reference(

@@ -24,7 +24,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pagedjax.ops.attention import AttentionMetadata, dequantize_pages
+from pagedjax.ops.attention_metadata import AttentionMetadata, dequantize_pages
 
 _NEG = -1e30  # finite "minus infinity": keeps the online softmax free of inf - inf
 DECODE_ROW_BLOCK = 8  # decode rows per block (each block loops to its own longest context)

@@ -39,9 +39,9 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-METHODS = ("int8", "w8a8", "fp8", "awq", "gptq")
-QUANTIZE_ON_LOAD = ("int8", "w8a8", "fp8")  # computed from float weights at load time
-INT4_METHODS = ("awq", "gptq")
+from pagedjax.ops.choices import INT4_METHODS, QUANTIZE_ON_LOAD
+from pagedjax.ops.choices import QUANTIZATION_METHODS as METHODS
+
 # The decoder's linear layers, the params under "layers/" that quantization replaces.
 LINEAR_WEIGHTS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 INT8_MAX = 127.0

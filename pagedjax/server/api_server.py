@@ -290,7 +290,7 @@ def run_server(ns: argparse.Namespace) -> int:
     """
     import uvicorn
 
-    from pagedjax.config import EngineArgs
+    from pagedjax.engine_args import EngineArgs
 
     args = EngineArgs.from_cli_args(ns)
     if ns.model_tag is not None:

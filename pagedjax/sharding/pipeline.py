@@ -2,9 +2,9 @@
 
 The stacked layer axis of every weight and of the KV cache is sharded over the "pipeline"
 mesh axis, so stage s holds layers [s L / P, (s + 1) L / P) and their KV cache. A step's flat
-batch is cut (on the host, `BatchBuilder.build_microbatches`) into M micro-batches of equal
-token count; a sequence cut in two is simply a prefill in two chunks, the second attending to
-the first's K/V, which the same stage wrote one tick earlier.
+batch is cut (on the host, `BatchBuilder.build_step(seqs, num_microbatches)`) into M
+micro-batches of equal token count; a sequence cut in two is simply a prefill in two chunks,
+the second attending to the first's K/V, which the same stage wrote one tick earlier.
 
 The schedule is GPipe's (Huang et al., 2019) for a forward pass only: at tick t, stage s runs
 micro-batch t - s, so after the first P - 1 ticks all stages work at once; the activations

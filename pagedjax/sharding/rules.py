@@ -103,12 +103,6 @@ class ShardingPlan:
                 out[key] = one(logical.get(key), value)
         return out
 
-    def tree(self, logical_tree: Any) -> Any:
-        """A pytree of NamedShardings from a pytree of logical-axis tuples."""
-        import jax
-
-        return jax.tree.map(self.sharding, logical_tree, is_leaf=lambda x: isinstance(x, tuple))
-
 
 def per_device_bytes(tree: Any) -> dict[str, int]:
     """Bytes each device holds of the arrays of a pytree (device id as a string)."""

@@ -3,6 +3,9 @@
 For perplexity (`benchmarks/quality.py`) and tests. It runs `llama.forward` directly, not the
 sampler: one sequence, prefilled in chunks through a paged KV cache of its own (the engine's
 layout and dtype, a float8 one included), the LM head applied to every position.
+
+It sits above both `models` and `engine` (it packs its chunks with the engine's
+`input_batch.BatchBuilder`), so that the model package never imports the engine.
 """
 
 from __future__ import annotations

