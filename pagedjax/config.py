@@ -20,6 +20,7 @@ logger = logging.getLogger(__name__)
 ALLOWED_BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "xla", "cpu", "reference", "pallas")
+LINEAR_BACKENDS = ("auto", "xla", "cpu")
 # vLLM's names; "fp8" is float8_e4m3fn (as on CUDA), see `ops.kv_cache`.
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 # vLLM's names (awq_marlin / gptq_marlin read the same files as awq / gptq), see `ops.quant`.
@@ -50,6 +51,8 @@ class ModelConfig:
         max_model_len: prompt + output tokens at most.
         arch: the checkpoint's hyper-parameters.
         attention_backend: "xla" | "cpu" | "reference" | "pallas".
+        linear_backend: "xla" | "cpu" ("cpu": float32 linear weights and LM head pre-packed
+            for the native CPU matmul, `ops.cpu_linear.pack_params`).
         max_logprobs: the most logprobs / prompt_logprobs a request may ask for.
         download_dir: where conversions are cached.
         quantization: None (float weights), "int8" | "w8a8" | "fp8" (float weights quantized
@@ -71,6 +74,7 @@ class ModelConfig:
     max_logprobs: int = 20
     download_dir: str | None = None
     quantization: str | None = None
+    linear_backend: str = "xla"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -283,10 +287,15 @@ class EngineArgs:
     process_id: int = _field(0, "This process's index in [0, num_processes).")
     attention_backend: str = _field(
         "auto",
-        "Attention implementation ('auto': pallas on GPU; on CPU, the native 'cpu' kernels "
-        "(attention, and the float32 matmul of decode steps and the LM head) on one device "
-        "when a C++ compiler builds them, else xla).",
+        "Attention implementation ('auto': pallas on GPU; on CPU, the native 'cpu' attention "
+        "kernel on one device when a C++ compiler builds it, else xla).",
         choices=ATTENTION_BACKENDS,
+    )
+    linear_backend: str = _field(
+        "auto",
+        "Linear-layer implementation ('auto': 'cpu', pre-packed float32 weights and LM head "
+        "through the native matmul, on one CPU device when the C++ kernels build, else 'xla').",
+        choices=LINEAR_BACKENDS,
     )
     max_logprobs: int = _field(20, "Most logprobs / prompt_logprobs a request may ask for.")
     download_dir: str | None = _field(
@@ -350,6 +359,8 @@ class EngineArgs:
             raise _bad("dtype", f"one of {DTYPES}", self.dtype)
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise _bad("attention_backend", f"one of {ATTENTION_BACKENDS}", self.attention_backend)
+        if self.linear_backend not in LINEAR_BACKENDS:
+            raise _bad("linear_backend", f"one of {LINEAR_BACKENDS}", self.linear_backend)
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise _bad("kv_cache_dtype", f"one of {KV_CACHE_DTYPES}", self.kv_cache_dtype)
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
@@ -416,6 +427,19 @@ class EngineArgs:
                 if reason:
                     logger.warning("attention_backend 'auto' uses 'xla': %s", reason)
                     backend = "xla"
+        linear_backend = self.linear_backend
+        if linear_backend == "cpu":
+            if not (on_cpu and one_device):
+                raise ValueError(
+                    "linear_backend 'cpu' runs on one CPU device (no tensor, pipeline or "
+                    "data parallelism, one process); use 'xla'"
+                )
+            if not cpu_kernels.available():
+                raise ValueError(
+                    f"linear_backend 'cpu' is unavailable: {cpu_kernels.unavailable_reason()}"
+                )
+        if linear_backend == "auto":
+            linear_backend = "cpu" if on_cpu and one_device and cpu_kernels.available() else "xla"
         default_tokens = (
             CPU_DEFAULT_MAX_NUM_BATCHED_TOKENS if on_cpu else GPU_DEFAULT_MAX_NUM_BATCHED_TOKENS
         )
@@ -442,6 +466,7 @@ class EngineArgs:
             max_logprobs=self.max_logprobs,
             download_dir=self.download_dir,
             quantization=quantization,
+            linear_backend=linear_backend,
         )
         if self.num_processes > 1 and self.preemption_mode == "swap":
             raise ValueError(

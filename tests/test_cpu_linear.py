@@ -1,6 +1,6 @@
 """The native CPU matmul (`ops.cpu_linear`, csrc/linear_cpu.cc) against NumPy in float64; the
 weight kinds of `ops.linear.linear`; and the model's use of pre-packed weights (whose logits
-tests/test_model.py checks against Hugging Face)."""
+tests/test_model.py checks against Hugging Face) and `linear_backend`'s resolution."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pagedjax.config import EngineArgs
 from pagedjax.engine.input_batch import BatchBuilder, SeqInput
 from pagedjax.models import llama, loader
 from pagedjax.ops import cpu_linear, linear
@@ -210,3 +211,19 @@ def test_linear_gives_the_same_layer_for_every_weight_kind():
     with pytest.raises(ValueError, match="needs a LayerView"):
         linear.linear(jnp.asarray(x), stack)
 
+
+def test_linear_backend_resolution(tiny_llama_dir):
+    """ "auto" packs on one CPU device where the kernels build; explicit "cpu" off one device
+    is a ValueError naming linear_backend; an unknown value too."""
+    from pagedjax.ops import cpu_kernels
+
+    config = EngineArgs(model=str(tiny_llama_dir)).create_engine_config()
+    want = "cpu" if cpu_kernels.available() else "xla"
+    assert config.model_config.linear_backend == want
+    config = EngineArgs(model=str(tiny_llama_dir), linear_backend="xla").create_engine_config()
+    assert config.model_config.linear_backend == "xla"
+    args = EngineArgs(model=str(tiny_llama_dir), linear_backend="cpu", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="linear_backend 'cpu' runs on one CPU device"):
+        args.create_engine_config()
+    with pytest.raises(ValueError, match="linear_backend"):
+        EngineArgs(model=str(tiny_llama_dir), linear_backend="gguf").create_engine_config()
