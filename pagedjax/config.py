@@ -19,6 +19,7 @@ if TYPE_CHECKING:  # jax-free at import time: the scheduler imports this module
 ALLOWED_BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", *choices.ATTENTION_BACKENDS)
+LINEAR_BACKENDS = ("auto", *choices.LINEAR_BACKENDS)
 # vLLM's names; "fp8" is float8_e4m3fn (as on CUDA), see `ops.choices`.
 KV_CACHE_DTYPES = ("auto", *choices.FP8_KV_CACHE_DTYPES)
 # vLLM's names (awq_marlin / gptq_marlin read the same files as awq / gptq), see `ops.choices`.
@@ -52,6 +53,8 @@ class ModelConfig:
         max_model_len: prompt + output tokens at most.
         arch: the checkpoint's hyper-parameters.
         attention_backend: "xla" | "cpu" | "reference" | "pallas".
+        linear_backend: "xla" | "cpu" ("cpu": float32 linear weights and LM head pre-packed
+            for the native CPU matmul, `ops.cpu_linear.pack_params`).
         max_logprobs: the most logprobs / prompt_logprobs a request may ask for.
         download_dir: where conversions are cached.
         quantization: None (float weights), "int8" | "w8a8" | "fp8" (float weights quantized
@@ -73,6 +76,7 @@ class ModelConfig:
     max_logprobs: int = 20
     download_dir: str | None = None
     quantization: str | None = None
+    linear_backend: str = "xla"
 
 
 @dataclasses.dataclass(frozen=True)

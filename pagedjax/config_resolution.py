@@ -17,6 +17,7 @@ from pagedjax.config import (
     DTYPES,
     GPU_DEFAULT_MAX_NUM_BATCHED_TOKENS,
     KV_CACHE_DTYPES,
+    LINEAR_BACKENDS,
     QUANTIZATION_METHODS,
     CacheConfig,
     EngineConfig,
@@ -49,6 +50,8 @@ def resolve_engine_config(args) -> EngineConfig:
         raise _bad("dtype", f"one of {DTYPES}", args.dtype)
     if args.attention_backend not in ATTENTION_BACKENDS:
         raise _bad("attention_backend", f"one of {ATTENTION_BACKENDS}", args.attention_backend)
+    if args.linear_backend not in LINEAR_BACKENDS:
+        raise _bad("linear_backend", f"one of {LINEAR_BACKENDS}", args.linear_backend)
     if args.kv_cache_dtype not in KV_CACHE_DTYPES:
         raise _bad("kv_cache_dtype", f"one of {KV_CACHE_DTYPES}", args.kv_cache_dtype)
     if args.quantization is not None and args.quantization not in QUANTIZATION_METHODS:
@@ -113,6 +116,19 @@ def resolve_engine_config(args) -> EngineConfig:
             if reason:
                 logger.warning("attention_backend 'auto' uses 'xla': %s", reason)
                 backend = "xla"
+    linear_backend = args.linear_backend
+    if linear_backend == "cpu":
+        if not (on_cpu and one_device):
+            raise ValueError(
+                "linear_backend 'cpu' runs on one CPU device (no tensor, pipeline or "
+                "data parallelism, one process); use 'xla'"
+            )
+        if not cpu_kernels.available():
+            raise ValueError(
+                f"linear_backend 'cpu' is unavailable: {cpu_kernels.unavailable_reason()}"
+            )
+    if linear_backend == "auto":
+        linear_backend = "cpu" if on_cpu and one_device and cpu_kernels.available() else "xla"
     default_tokens = (
         CPU_DEFAULT_MAX_NUM_BATCHED_TOKENS if on_cpu else GPU_DEFAULT_MAX_NUM_BATCHED_TOKENS
     )
@@ -137,6 +153,7 @@ def resolve_engine_config(args) -> EngineConfig:
         arch=arch,
         attention_backend=backend,
         max_logprobs=args.max_logprobs,
+        linear_backend=linear_backend,
         download_dir=args.download_dir,
         quantization=quantization,
     )

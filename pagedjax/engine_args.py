@@ -18,6 +18,7 @@ from pagedjax.config import (
     DTYPES,
     EXECUTOR_BACKENDS,
     KV_CACHE_DTYPES,
+    LINEAR_BACKENDS,
     PREEMPTION_MODES,
     QUANTIZATION_METHODS,
     SCHEDULING_POLICIES,
@@ -93,10 +94,15 @@ class EngineArgs:
     process_id: int = _field(0, "This process's index in [0, num_processes).")
     attention_backend: str = _field(
         "auto",
-        "Attention implementation ('auto': pallas on GPU; on CPU, the native 'cpu' kernels "
-        "(attention, and the float32 matmul of decode steps and the LM head) on one device "
-        "when a C++ compiler builds them, else xla).",
+        "Attention implementation ('auto': pallas on GPU; on CPU, the native 'cpu' attention "
+        "kernel on one device when a C++ compiler builds it, else xla).",
         choices=ATTENTION_BACKENDS,
+    )
+    linear_backend: str = _field(
+        "auto",
+        "Linear-layer implementation ('auto': 'cpu', pre-packed float32 weights and LM head "
+        "through the native matmul, on one CPU device when the C++ kernels build, else 'xla').",
+        choices=LINEAR_BACKENDS,
     )
     max_logprobs: int = _field(20, "Most logprobs / prompt_logprobs a request may ask for.")
     download_dir: str | None = _field(

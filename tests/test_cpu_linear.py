@@ -1,6 +1,6 @@
-"""The native CPU matmul (`ops.cpu_linear`, csrc/linear_cpu.cc) against NumPy in float64, and
-the model's use of it under the "cpu" backend (whose logits tests/test_model.py checks
-against Hugging Face)."""
+"""The native CPU matmul (`ops.cpu_linear`, csrc/linear_cpu.cc) against NumPy in float64; the
+weight kinds of `ops.linear.linear`; and the model's use of pre-packed weights (whose logits
+tests/test_model.py checks against Hugging Face) and `linear_backend`'s resolution."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pagedjax.config import EngineArgs
 from pagedjax.engine.input_batch import BatchBuilder, SeqInput
 from pagedjax.models import llama, loader
-from pagedjax.ops import cpu_linear
+from pagedjax.ops import cpu_linear, linear
 from pagedjax.ops.attention import AttentionMetadata
 from pagedjax.ops.kv_cache import init_kv_cache, kv_cache_shape
 from pagedjax.ops.quant import LINEAR_WEIGHTS, quantize_params
@@ -125,15 +126,15 @@ def _lowered_step(params, cfg, backend, num_tokens):
 
 
 def test_model_uses_the_native_matmul_only_where_it_should(tiny_llama_dir):
-    """Under "cpu", a step of up to MAX_TOKENS tokens runs its seven pre-packed linear layers
-    through the native matmul (so the "cpu-prepacked" model-vs-HF tests cover it); a larger
-    step, another backend, plain (not packed) or quantized weights keep XLA's dot."""
+    """A step of up to MAX_TOKENS tokens runs its seven pre-packed linear layers through the
+    native matmul, whatever the attention backend (so the "cpu-prepacked" model-vs-HF tests
+    cover it); a larger step, plain (not packed) or quantized weights keep XLA's dot."""
     source = loader.resolve_model_source(str(tiny_llama_dir))
     cfg = loader.load_arch_config(source)
     params = loader.load_params(source, cfg, "float32")
     packed = cpu_linear.pack_params(params)
     assert _lowered_step(packed, cfg, "cpu", 8).count(cpu_linear.TARGET) == 7
-    assert cpu_linear.TARGET not in _lowered_step(packed, cfg, "xla", 8)
+    assert _lowered_step(packed, cfg, "xla", 8).count(cpu_linear.TARGET) == 7
     assert cpu_linear.TARGET not in _lowered_step(packed, cfg, "cpu", cpu_linear.MAX_TOKENS + 1)
     assert cpu_linear.TARGET not in _lowered_step(params, cfg, "cpu", 8)
     int8 = quantize_params(params, "int8")
@@ -176,3 +177,53 @@ def test_model_with_prepacked_weights(tiny_llama_dir, tmp_path):
     assert "lm_head" not in cpu_linear.unpack_params(tied, tie_word_embeddings=True)
     int8 = cpu_linear.pack_params(quantize_params(params, "int8"))
     assert not any(isinstance(int8["layers"][n], cpu_linear.PackedWeight) for n in LINEAR_WEIGHTS)
+
+
+def test_linear_gives_the_same_layer_for_every_weight_kind():
+    """`linear.linear` on the same [in, out] weights as a plain array, int8 (within its
+    rounding bound), a packed stack's layer (`LayerView`, native below MAX_TOKENS rows and
+    unpacked above) and a packed single weight (float32 rounding); a packed stack given
+    whole is refused."""
+    rng = np.random.default_rng(3)
+    L, K, N = 3, 72, 40
+    w = rng.standard_normal((L, K, N)).astype(np.float32)
+    stack = cpu_linear.pack(jnp.asarray(w))
+    int8 = quantize_params({"layers": {n: jnp.asarray(w) for n in LINEAR_WEIGHTS}}, "int8")
+    f = jax.jit(lambda x, w, n: linear.linear(x, w, num_rows=n))
+    for M in (5, cpu_linear.MAX_TOKENS + 3):
+        x = rng.standard_normal((M, K)).astype(np.float32)
+        for i in range(L):
+            want = x.astype(np.float64) @ w[i].astype(np.float64)
+            tol = dict(rtol=1e-5, atol=1e-5 * np.sqrt(K))
+            np.testing.assert_allclose(np.asarray(f(x, jnp.asarray(w[i]), M)), want, **tol)
+            view = linear.LayerView(stack, jnp.int32(i))
+            np.testing.assert_allclose(np.asarray(f(x, view, M)), want, **tol)
+            one = cpu_linear.pack(jnp.asarray(w[i : i + 1]))
+            np.testing.assert_allclose(np.asarray(f(x, one, M)), want, **tol)
+            q = jax.tree.map(lambda a, i=i: a[i], int8["layers"]["q_proj"])
+            # Each weight moves by at most half its column's step s: |x| . s / 2 per output.
+            bound = np.abs(x) @ np.broadcast_to(np.asarray(q.scales) / 2, (K, N))
+            assert np.all(np.abs(np.asarray(f(x, q, M)) - want) <= bound + 1e-4)
+    x = rng.standard_normal((6, K)).astype(np.float32)
+    got = np.asarray(f(x, linear.LayerView(stack, jnp.int32(1)), 4))
+    np.testing.assert_allclose(got[:4], x[:4] @ w[1], rtol=1e-5, atol=1e-4)
+    assert not got[4:].any()  # the native kernel multiplies only num_rows rows
+    with pytest.raises(ValueError, match="needs a LayerView"):
+        linear.linear(jnp.asarray(x), stack)
+
+
+def test_linear_backend_resolution(tiny_llama_dir):
+    """ "auto" packs on one CPU device where the kernels build; explicit "cpu" off one device
+    is a ValueError naming linear_backend; an unknown value too."""
+    from pagedjax.ops import cpu_kernels
+
+    config = EngineArgs(model=str(tiny_llama_dir)).create_engine_config()
+    want = "cpu" if cpu_kernels.available() else "xla"
+    assert config.model_config.linear_backend == want
+    config = EngineArgs(model=str(tiny_llama_dir), linear_backend="xla").create_engine_config()
+    assert config.model_config.linear_backend == "xla"
+    args = EngineArgs(model=str(tiny_llama_dir), linear_backend="cpu", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="linear_backend 'cpu' runs on one CPU device"):
+        args.create_engine_config()
+    with pytest.raises(ValueError, match="linear_backend"):
+        EngineArgs(model=str(tiny_llama_dir), linear_backend="gguf").create_engine_config()

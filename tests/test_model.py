@@ -49,8 +49,8 @@ def _forward_chunks(params, cfg, kv, chunks, backend, block_ids):
 
 
 def _packed_if(backend, params):
-    """ "cpu-prepacked": the params as the engine holds them under "cpu" (pre-packed linear
-    weights and LM head)."""
+    """ "cpu-prepacked": the params as the engine holds them under linear_backend="cpu"
+    (pre-packed linear weights and LM head), with the "cpu" attention backend."""
     return cpu_linear.pack_params(params) if backend == "cpu-prepacked" else params
 
 

@@ -1,6 +1,7 @@
-"""Quantized matmuls (`ops.quant.linear`) against float references with error bounds derived
-from each format's rounding, against independent NumPy computations of the same integer /
-float8 arithmetic; and the float8 KV cache through `write_kv` and paged attention."""
+"""Quantized matmuls (`ops.linear.linear` on `ops.quant` weights) against float references
+with error bounds derived from each format's rounding, against independent NumPy computations
+of the same integer / float8 arithmetic; and the float8 KV cache through `write_kv` and paged
+attention."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 from test_attention import HEAD_DIM, _case, _numpy_dense
 
-from pagedjax.ops import quant
+from pagedjax.ops import linear, quant
 from pagedjax.ops.attention import ragged_paged_attention
 from pagedjax.ops.kv_cache import kv_cache_jnp_dtype, write_kv
 
@@ -34,7 +35,7 @@ def xw():
     return x, w
 
 
-_linear = jax.jit(quant.linear)
+_linear = jax.jit(linear.linear)
 
 
 def test_int8_weight_only_within_half_a_step(xw):

@@ -113,7 +113,7 @@ class LLMEngine:
             kv_cache_dtype=cc.kv_cache_dtype,
         )
         params = jax.device_put(params, self.plan.param_shardings(params, logical))
-        if mc.attention_backend == "cpu":  # the native matmul's panel layout, packed once
+        if mc.linear_backend == "cpu":  # the native matmul's panel layout, packed once
             params = cpu_linear.pack_params(params)
         load_s = time.perf_counter() - t0
         self.runner = ModelRunner(config, params, self.plan)

@@ -160,9 +160,11 @@ def step(
 
 
 def _logits_of_rows(params, rows, num_rows, V: int):
-    """LM head of the first `num_rows` of `rows` [S, D] (the rest: zeros, except with XLA's
-    dot when S <= LOGITS_ROW_BLOCK), in blocks of LOGITS_ROW_BLOCK rows up to num_rows: a
-    prefill step of a few long prompts has a large S but few rows to sample."""
+    """LM head (`llama.compute_logits`, one `ops.linear.linear` call per block) of the first
+    `num_rows` of `rows` [S, D] -> [S, V] float32, in blocks of LOGITS_ROW_BLOCK rows up to
+    num_rows: a prefill step of a few long prompts has a large S but few rows to sample.
+    Rows past num_rows are zeros, except for a plain (not pre-packed) head when
+    S <= LOGITS_ROW_BLOCK, which computes them."""
     S = rows.shape[0]
     R = LOGITS_ROW_BLOCK
     if S <= R:

@@ -24,11 +24,13 @@ Params pytree (every layer weight is stacked on a leading L axis and run by `jax
                        (a float8 KV cache's per-layer scales from the checkpoint; absent: 1.0)
 
 Weights are stored as [in, out] (the transpose of torch.nn.Linear), so `x @ w` is the layer.
-With `quantization`, the seven linear weights of a layer are `ops.quant.QuantizedWeight`s of
-the same logical shape, and every linear layer runs through `ops.quant.linear`. Under the
-"cpu" attention backend the engine holds float32 linear weights as `ops.cpu_linear.PackedWeight`s
-of the same logical shape (the native matmul's panel layout, `cpu_linear.pack_params`), and
-the LM head as one of [1, D, V] (also with tied embeddings, as a second copy).
+Every linear layer, the LM head included, runs through `ops.linear.linear(x, w)`, which
+dispatches on the weight's kind; this model never asks how a weight is stored. With
+`quantization`, the seven linear weights of a layer are `ops.quant.QuantizedWeight`s of the
+same logical shape. Under `linear_backend="cpu"` the engine holds float32 linear weights as
+`ops.cpu_linear.PackedWeight`s of the same logical shape (the native matmul's panel layout,
+`cpu_linear.pack_params`), and the LM head as one of [1, D, V] (also with tied embeddings, as
+a second copy); the scan reads those stacks in place (`ops.linear.split_layers`).
 """
 
 from __future__ import annotations
@@ -42,11 +44,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pagedjax.ops import cpu_linear
 from pagedjax.ops.attention import AttentionMetadata, ragged_paged_attention
 from pagedjax.ops.kv_cache import KVCache, is_quantized_cache, write_kv
-from pagedjax.ops.quant import LINEAR_WEIGHTS
-from pagedjax.ops.quant import linear as quant_linear
+from pagedjax.ops.linear import layer_weights, linear, split_layers
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -112,10 +112,6 @@ class LlamaArchConfig:
     @property
     def rope_scaling_dict(self) -> dict[str, Any]:
         return dict(self.rope_scaling or ())
-
-    @property
-    def num_queries_per_kv(self) -> int:
-        return self.num_attention_heads // self.num_key_value_heads
 
     @classmethod
     def from_hf_config(cls, hf: Mapping[str, Any] | Any) -> LlamaArchConfig:
@@ -284,9 +280,8 @@ def forward(
         positions: [T] int32 absolute positions (RoPE and the causal mask).
         md: attention metadata for the step (slot mapping, block tables, sequence lengths).
         cfg: the architecture (static).
-        attention_backend: "xla", "cpu", "reference" or "pallas" (static). "cpu" also runs
-            pre-packed linear weights (`cpu_linear.pack_params`) of steps of up to
-            `cpu_linear.MAX_TOKENS` tokens through the native CPU matmul.
+        attention_backend: "xla", "cpu", "reference" or "pallas" (static); attention only
+            (the linear layers follow their weights' kind, `ops.linear`).
 
     Returns:
         hidden states after the final norm [T, D] in the params dtype, and the updated cache.
@@ -310,43 +305,33 @@ def decoder_layers(
 ) -> tuple[jax.Array, KVCache]:
     """The decoder layers whose weights `layers` holds (a leading axis of any length: all L
     layers, or one pipeline stage's), over hidden states h [T, D]; layer i of `layers` reads
-    and writes layer i of `kv_cache` ([layers, num_blocks, block_size, K, H] each)."""
+    and writes layer i of `kv_cache` ([layers, num_blocks, block_size, K, H] each).
+
+    The linear layers multiply only the step's real tokens (`md.query_start_loc[-1]`) where
+    the weight's kind can skip the bucket's padding rows (pre-packed weights, `ops.linear`);
+    stacks read in place stay out of the scan's sliced inputs (`ops.linear.split_layers`).
+    """
     N, K, H = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     inv_freq = jnp.asarray(rope_inv_freq(cfg))
     scale = 1.0 / math.sqrt(H)
     T = h.shape[0]
     fp8_cache = is_quantized_cache(kv_cache[0].dtype)
 
-    # With the "cpu" backend, steps of up to cpu_linear.MAX_TOKENS tokens multiply pre-packed
-    # weights (`cpu_linear.PackedWeight`s, as the engine holds float32 weights) with the
-    # native kernel, which reads layer i of the stacked array in place; those weights stay out
-    # of the scan's sliced inputs. It multiplies only the step's real tokens
-    # (query_start_loc[-1]), not the bucket's padding. Larger steps unpack each layer for XLA.
-    use_native = attention_backend == "cpu" and T <= cpu_linear.MAX_TOKENS
-    native = {
-        name: layers[name]
-        for name in LINEAR_WEIGHTS
-        if use_native and isinstance(layers[name], cpu_linear.PackedWeight)
-    }
-    scanned = {name: w for name, w in layers.items() if name not in native}
+    sliced, in_place = split_layers(layers)
     num_real_tokens = md.query_start_loc[-1]
 
     def layer(carry, xs):
         h, (k_cache, v_cache) = carry
-        w, layer_idx = xs
+        w_slice, layer_idx = xs
+        w = layer_weights(w_slice, in_place, layer_idx)
 
-        def linear(x, name):
-            if name in native:
-                y = cpu_linear.matmul(x, native[name], layer_idx, num_real_tokens)
-                return y.astype(x.dtype)
-            if isinstance(w[name], cpu_linear.PackedWeight):  # pre-packed, in a large step
-                return quant_linear(x, cpu_linear.unpack(w[name]))
-            return quant_linear(x, w[name])
+        def proj(x, name):
+            return linear(x, w[name], num_rows=num_real_tokens)
 
         x = rms_norm(h, w["input_norm"], cfg.rms_norm_eps)
-        q = linear(x, "q_proj")  # [T, N*H]
-        k = linear(x, "k_proj")  # [T, K*H]
-        v = linear(x, "v_proj")
+        q = proj(x, "q_proj")  # [T, N*H]
+        k = proj(x, "k_proj")  # [T, K*H]
+        v = proj(x, "v_proj")
         if cfg.attention_bias:
             q, k, v = q + w["q_bias"], k + w["k_bias"], v + w["v_bias"]
         q = apply_rope(q.reshape(T, N, H), positions, inv_freq)  # [T, N, H]
@@ -370,33 +355,32 @@ def decoder_layers(
             k_scale=k_scale,
             v_scale=v_scale,
         )  # [T, N, H]
-        h = h + linear(attn.reshape(T, N * H).astype(h.dtype), "o_proj")
+        h = h + proj(attn.reshape(T, N * H).astype(h.dtype), "o_proj")
         x = rms_norm(h, w["post_attn_norm"], cfg.rms_norm_eps)
-        mlp = jax.nn.silu(linear(x, "gate_proj")) * linear(x, "up_proj")  # [T, F]
-        h = h + linear(mlp, "down_proj")
+        mlp = jax.nn.silu(proj(x, "gate_proj")) * proj(x, "up_proj")  # [T, F]
+        h = h + proj(mlp, "down_proj")
         return (h, (k_cache, v_cache)), None
 
     num_layers = jax.tree.leaves(layers["input_norm"])[0].shape[0]
     layer_ids = jnp.arange(num_layers, dtype=jnp.int32)
-    (h, kv_cache), _ = jax.lax.scan(layer, (h, kv_cache), (scanned, layer_ids))
+    (h, kv_cache), _ = jax.lax.scan(layer, (h, kv_cache), (sliced, layer_ids))
     return h, kv_cache
 
 
 def compute_logits(
     params: dict[str, Any], hidden: jax.Array, num_rows: jax.Array | int | None = None
 ) -> jax.Array:
-    """LM head. hidden: [S, D] (already normed) -> logits [S, V] float32.
+    """LM head through `ops.linear.linear`: hidden [S, D] (already normed) -> logits [S, V]
+    float32. The head is params["lm_head"] (a plain [D, V] array, or a pre-packed one of
+    [1, D, V], `cpu_linear.pack_params`), else the transposed embedding matrix (tied).
 
-    A pre-packed head (`cpu_linear.pack_params`, the "cpu" backend) runs through the native
-    matmul, for the first `num_rows` rows only (the rest: zeros; None: all S).
+    num_rows: scalar int32 or None (all S): the real rows, which come first. A pre-packed head
+    multiplies only these (the rest: zeros); a plain one computes every row.
     """
-    if isinstance(params.get("lm_head"), cpu_linear.PackedWeight):
-        return cpu_linear.matmul(hidden, params["lm_head"], 0, num_rows)
-    if "lm_head" in params:
-        logits = hidden @ params["lm_head"]
-    else:
-        logits = jnp.einsum("SD,VD->SV", hidden, params["embed_tokens"])
-    return logits.astype(jnp.float32)
+    head = params.get("lm_head")
+    if head is None:  # tied embeddings
+        head = params["embed_tokens"].T  # [D, V]
+    return linear(hidden, head, num_rows=num_rows).astype(jnp.float32)
 
 
 def param_logical_axes(cfg: LlamaArchConfig) -> dict[str, Any]:

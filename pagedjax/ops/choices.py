@@ -10,6 +10,10 @@ from __future__ import annotations
 # `ops.attention.ragged_paged_attention`'s backends (the config adds "auto").
 ATTENTION_BACKENDS = ("reference", "xla", "cpu", "pallas")
 
+# `ops.linear`'s implementations of float32 linear layers: XLA's dot, or weights pre-packed
+# for the native CPU matmul (`ops.cpu_linear`).
+LINEAR_BACKENDS = ("xla", "cpu")
+
 # What `ops.quant` computes (vLLM's `quantization=` names).
 QUANTIZATION_METHODS = ("int8", "w8a8", "fp8", "awq", "gptq")
 QUANTIZE_ON_LOAD = ("int8", "w8a8", "fp8")  # computed from float weights at load time

@@ -3,14 +3,15 @@
 Two kernels live in `csrc/` and are compiled into one shared library:
     paged_attention_cpu.cc  ragged paged attention (`cpu_attention.paged_attention`)
     linear_cpu.cc           float32 x @ W[layer] over a stacked weight (`cpu_linear.matmul`)
-Together they are the "cpu" attention backend (`attention_backend="cpu"`, which "auto" picks
-on one CPU device).
+The first is the "cpu" attention backend (`attention_backend="cpu"`), the second the "cpu"
+linear backend (`linear_backend="cpu"`); "auto" picks both on one CPU device.
 
 The library is compiled with the system C++ compiler ($CXX, else g++; `-O3 -march=native`)
 against the FFI headers that ship with jaxlib, into `<cache root>/kernels/` (see
 `paths.cache_root`), keyed by the sources and their header, the flags, the jaxlib
 version and the CPU model. `available()` is False, with the reason logged once, when there is
-no compiler or the build fails; `attention_backend="auto"` then keeps "xla".
+no compiler or the build fails; `attention_backend` and `linear_backend` "auto" then keep
+"xla".
 """
 
 from __future__ import annotations

@@ -9,12 +9,13 @@ and the layer index and reads the layer in place, with a blocked GEMM (packed op
 The kernel takes its weight pre-packed in the micro-kernel's 16-column panel layout, a
 `PackedWeight` (`pack`), and reads each panel as one sequential stream (at decode sizes 10-40 %
 faster than packing the weight on each call). The engine packs the float32 linear weights and
-the LM head once at load under the "cpu" backend (`pack_params`); steps larger than
-`MAX_TOKENS` tokens multiply with XLA's dot on each layer unpacked (`unpack`, a transposing
-copy small next to a dot of that size).
+the LM head once at load under `linear_backend="cpu"` (`pack_params`).
 
-Part of the "cpu" backend: `models.llama` runs the float32 linear layers of steps of up to
-`MAX_TOKENS` tokens, and a pre-packed LM head, through it, on the step's real rows only.
+A `PackedWeight` is one of the weight kinds of `ops.linear.linear`, the model's one linear
+entry point: a layer of a packed stack (`ops.linear.LayerView`) in a step of up to `MAX_TOKENS`
+tokens, and a packed LM head, run through `matmul` on the step's real rows only; a layer in a
+larger step multiplies with XLA's dot, unpacked (`unpack`, a transposing copy small next to a
+dot of that size).
 """
 
 from __future__ import annotations
@@ -28,9 +29,10 @@ from pagedjax.ops.cpu_kernels import available, unavailable_reason
 from pagedjax.ops.quant import LINEAR_WEIGHTS
 
 TARGET = "pagedjax_linear_cpu"
-# The model uses the kernel for steps of at most this many tokens (decode and small mixed
-# steps). Larger steps keep XLA's dot: there the weight copy is small next to the dot, and
-# XLA's dot was as fast or faster in the standard workload's 1,024- and 2,048-token steps.
+# `ops.linear` uses the kernel on a layer of a packed stack for steps of at most this many
+# tokens (decode and small mixed steps). Larger steps keep XLA's dot: there the weight copy is
+# small next to the dot, and XLA's dot was as fast or faster in the standard workload's
+# 1,024- and 2,048-token steps.
 MAX_TOKENS = 128
 PANEL = 16  # columns per panel of a PackedWeight (the kernel's NR)
 

@@ -1,8 +1,8 @@
-"""Quantized weights and the one place their matmuls live: `linear(x, w)`.
+"""Quantized weights: their layout, quantization on load, dequantization and their matmul.
 
-Every linear layer of the model calls `linear(x, w)`, where `w` is either a plain [in, out]
-array (`x @ w`) or a `QuantizedWeight`. A fused GPU kernel replaces a method here, and
-nowhere else.
+Every linear layer of the model calls `ops.linear.linear(x, w)`, which hands a
+`QuantizedWeight` to `quantized_matmul` here; a fused GPU kernel replaces a method in
+`quantized_matmul`, and nowhere else. This module imports no other weight kind.
 
 Methods (vLLM's `quantization=` values and meanings):
     "int8"  weight-only int8: symmetric per-output-channel scales, activations stay in the
@@ -88,8 +88,8 @@ class QuantizedWeight:
 def quantize_int8(w: jax.Array, method: str = "int8") -> QuantizedWeight:
     """Symmetric per-output-channel int8: s = max_i |w[i, o]| / 127, q = round(w / s).
 
-    w: [..., in, out] float. method: "int8" or "w8a8" (same storage; it decides `linear`).
-    The rounding error of each weight is at most s / 2.
+    w: [..., in, out] float. method: "int8" or "w8a8" (same storage; it decides
+    `quantized_matmul`). The rounding error of each weight is at most s / 2.
     """
     w32 = w.astype(jnp.float32)
     scales = jnp.maximum(jnp.max(jnp.abs(w32), axis=-2), _TINY) / INT8_MAX  # [..., out]
@@ -193,18 +193,19 @@ def _contract_last(x: jax.Array, w: jax.Array, acc_dtype) -> jax.Array:
     )
 
 
-def linear(x: jax.Array, w: QuantizedWeight | jax.Array) -> jax.Array:
-    """The layer x @ W for a plain or quantized weight of one layer.
+def quantized_matmul(x: jax.Array, w: QuantizedWeight) -> jax.Array:
+    """x @ W for a quantized weight of one layer (the method's arithmetic above).
 
     Args:
         x: [T, in] activations in the model dtype.
-        w: [in, out] array, or a `QuantizedWeight` of one layer (no leading L axis).
+        w: a `QuantizedWeight` of one layer (no leading L axis), logical shape [in, out].
 
     Returns:
         [T, out] in x's dtype.
+
+    Raises:
+        ValueError: `w.method` is not one of METHODS.
     """
-    if not isinstance(w, QuantizedWeight):
-        return x @ w
     if w.method == "int8":
         y = x @ w.qweight.astype(x.dtype)  # [T, out]
         return y * w.scales.astype(x.dtype)

@@ -1,0 +1,132 @@
+"""The one entry point of every linear layer: `linear(x, w)`, dispatched on the weight's kind.
+
+The model (`models.llama`: the seven linear layers of each decoder layer and the LM head)
+never looks at how a weight is stored; it calls `linear(x, w)` and this module picks the
+matmul. Weight kinds:
+    plain      a float array [in, out] (the model dtype): XLA's dot, x @ w.
+    quantized  an `ops.quant.QuantizedWeight` of one layer (int8, w8a8, fp8, awq / gptq
+               int4; layouts in `ops.quant`): `quant.quantized_matmul`.
+    packed     float32 weights pre-packed in the native CPU matmul's panel layout
+               (`ops.cpu_linear.PackedWeight`, `cpu_linear.pack_params`, the engine's
+               `linear_backend="cpu"`), either a `LayerView` (layer i of a stacked
+               [L, in, out] weight, read in place by the kernel) or a `PackedWeight` holding
+               one weight ([in, out], or a stack of one, [1, in, out]: the LM head).
+A new kind (GGUF's quantized blocks, say) is one more branch of `linear` and, if it is stored
+stacked and read in place, of `reads_in_place`; nothing in the model changes.
+
+Stacked weights and `lax.scan`: the model scans its layers over weights stacked on a leading
+L axis. `split_layers` splits those weights into the ones the scan slices (plain and quantized
+leaves, handed to the scan as xs, as usual) and the ones read in place (packed stacks, kept
+out of xs: inside the scan, XLA's CPU backend copies each layer's slice out of the stack
+before a dot, the copy the native kernel exists to avoid); `layer_weights` gives the scan body
+its layer's weights, the in-place ones as `LayerView`s, so that the body runs every linear
+layer the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from pagedjax.ops import cpu_linear
+from pagedjax.ops.quant import QuantizedWeight, quantized_matmul
+
+Weight = Any  # jax.Array | QuantizedWeight | cpu_linear.PackedWeight | LayerView
+
+
+@struct.dataclass
+class LayerView:
+    """Layer `index` of a stacked weight, read in place (a pytree).
+
+    Attributes:
+        stack: a `cpu_linear.PackedWeight` of float32 [L, in, out].
+        index: scalar int32 (traced or not), the layer in [0, L).
+    """
+
+    stack: cpu_linear.PackedWeight
+    index: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The logical shape [in, out] of the one layer's weight."""
+        return self.stack.shape[1:]
+
+
+def linear(x: jax.Array, w: Weight, *, num_rows: jax.Array | int | None = None) -> jax.Array:
+    """The linear layer x @ W, whatever kind of weight W is (see the module docstring).
+
+    Args:
+        x: [T, in] activations in the model dtype.
+        w: the weight of one layer, logical shape [in, out]: a plain array, a
+            `QuantizedWeight`, a `LayerView` of a packed stack, or a `PackedWeight` holding
+            one weight ([in, out] or [1, in, out]).
+        num_rows: scalar int32 (traced or not), the number of real rows of x (they come
+            first; a step padded to its shape bucket passes its real token count), or None:
+            all T. The packed kind multiplies only these rows and gives zeros past them; the
+            others compute every row, so rows past `num_rows` are unspecified.
+
+    Returns:
+        [T, out] in x's dtype (a packed weight computes in float32 and casts back).
+
+    Raises:
+        ValueError: a `PackedWeight` of a stack of more than one layer (index it with a
+            `LayerView`), a quantized weight of an unknown method, or shapes that disagree.
+        RuntimeError: a packed weight in a step the native kernel runs, where the kernels
+            are unavailable (`cpu_kernels.available()` is False).
+    """
+    if isinstance(w, QuantizedWeight):
+        return quantized_matmul(x, w)
+    if isinstance(w, LayerView):
+        # The kernel's gain is reading layer i in place; in a step of more than MAX_TOKENS
+        # tokens the copy is small next to the dot and XLA's dot is as fast, so the layer is
+        # unpacked (a transposing copy) for it.
+        if x.shape[0] > cpu_linear.MAX_TOKENS:
+            layer = jax.tree.map(
+                lambda a: jax.lax.dynamic_index_in_dim(a, w.index, 0, False), w.stack
+            )
+            return x @ cpu_linear.unpack(layer).astype(x.dtype)
+        return cpu_linear.matmul(x, w.stack, w.index, num_rows).astype(x.dtype)
+    if isinstance(w, cpu_linear.PackedWeight):
+        # One weight, not a stack: unpacking would copy all of it on every call.
+        if len(w.shape) == 2:
+            w = cpu_linear.PackedWeight(w.panels[None], w.n)
+        if w.shape[0] != 1:
+            raise ValueError(
+                f"linear takes one layer's weight; a packed stack {w.shape} needs a LayerView"
+            )
+        return cpu_linear.matmul(x, w, 0, num_rows).astype(x.dtype)
+    return x @ w
+
+
+def reads_in_place(w: Weight) -> bool:
+    """True for a stacked weight kind that `linear` reads layer by layer in place (a
+    `cpu_linear.PackedWeight` of [L, in, out]), which `lax.scan` must not slice."""
+    return isinstance(w, cpu_linear.PackedWeight)
+
+
+def split_layers(layers: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Splits stacked per-layer params (every leaf with a leading L axis) into
+    (sliced, in_place): `sliced` for `lax.scan`'s xs (plain and quantized weights, norms,
+    biases, scales), `in_place` the stacks `reads_in_place` (packed weights)."""
+    in_place = {name: w for name, w in layers.items() if reads_in_place(w)}
+    sliced = {name: w for name, w in layers.items() if name not in in_place}
+    return sliced, in_place
+
+
+def layer_weights(
+    sliced: Mapping[str, Any], in_place: Mapping[str, Any], index: jax.Array
+) -> dict[str, Any]:
+    """Layer `index`'s params inside the scan body: `sliced` (the scan's slice of the first
+    part of `split_layers`) and a `LayerView(stack, index)` for each in-place stack.
+
+    Args:
+        sliced: the layer's slice of the sliced params (no leading L axis).
+        in_place: the in-place stacks, whole.
+        index: scalar int32, the layer (the scan's counter).
+    """
+    index = jnp.asarray(index, jnp.int32)
+    return {**sliced, **{name: LayerView(w, index) for name, w in in_place.items()}}
