@@ -28,6 +28,7 @@ from pagedjax.engine.output_processor import OutputProcessor
 from pagedjax.engine.request import Request, RequestStatus
 from pagedjax.engine.runner import ModelRunner
 from pagedjax.engine.scheduler import Scheduler
+from pagedjax.errors import InvalidInputError
 from pagedjax.inputs import PromptType, parse_prompt
 from pagedjax.models import llama, loader
 from pagedjax.ops import cpu_linear
@@ -210,22 +211,27 @@ class LLMEngine:
         ids = self.prompt_token_ids(prompt)
         mc = self.config.model_config
         if params.truncate_prompt_tokens is not None:
-            k = (
-                mc.max_model_len
-                if params.truncate_prompt_tokens == -1
-                else params.truncate_prompt_tokens
-            )
+            m, t = mc.max_model_len, params.truncate_prompt_tokens
+            k = m if t == -1 else t
+            if k == 0 or k > m:
+                raise InvalidInputError(
+                    f"truncate_prompt_tokens must be -1 or in [1, max_model_len={m}], got {t}",
+                    "truncate_prompt_tokens",
+                )
             ids = ids[-k:]
         if not ids:
-            raise ValueError("prompt must not be empty (it has 0 tokens)")
+            raise InvalidInputError("prompt must not be empty (it has 0 tokens)", "prompt")
         if len(ids) > mc.max_model_len:
-            raise ValueError(
-                f"prompt has {len(ids)} tokens, more than max_model_len={mc.max_model_len}"
+            raise InvalidInputError(
+                f"prompt has {len(ids)} tokens, more than max_model_len={mc.max_model_len}",
+                "prompt",
             )
         vocab = mc.arch.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"prompt token id {bad[0]} is out of the vocabulary [0, {vocab})")
+            raise InvalidInputError(
+                f"prompt token id {bad[0]} is out of the vocabulary [0, {vocab})", "prompt"
+            )
         self._validate_params(params)
         return text, ids, salt
 
@@ -275,6 +281,7 @@ class LLMEngine:
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
+        check_max_tokens: bool = False,
     ) -> None:
         """Queues a request.
 
@@ -284,8 +291,11 @@ class LLMEngine:
             params: SamplingParams (default: vLLM's defaults).
             arrival_time: seconds since the epoch (default: now).
             priority: smaller is served earlier under scheduling_policy="priority".
+            check_max_tokens: refuse (InvalidInputError, param "max_tokens") a prompt (after
+                truncation) plus max_tokens above max_model_len instead of capping max_tokens.
 
         Raises:
+            InvalidInputError: a ValueError naming the field at fault (`param`).
             ValueError: empty or too long prompt, token ids outside the vocabulary, an
                 unsupported sampling option, a duplicate id, or a prompt that could never
                 fit the KV cache. Nothing is queued then, and other requests are unaffected.
@@ -294,6 +304,15 @@ class LLMEngine:
         if request_id in self.output_processor.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids, salt = self._validate(prompt, params)
+        m = self.config.model_config.max_model_len
+        if check_max_tokens and params.max_tokens is not None and len(ids) + params.max_tokens > m:
+            raise InvalidInputError(
+                f"This model's maximum context length is {m} tokens. However, you requested "
+                f"{len(ids) + params.max_tokens} tokens ({len(ids)} in the prompt, "
+                f"{params.max_tokens} in the completion). Please reduce the length of the "
+                "prompt or completion.",
+                "max_tokens",
+            )
         params = params.clone()
         room = self.config.model_config.max_model_len - len(ids)
         params.max_tokens = max(1, min(params.max_tokens or room, room)) if room > 0 else 1
