@@ -9,7 +9,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from pagedjax.engine.dp_engine import create_engine
+from pagedjax.engine.factory import create_engine
 from pagedjax.engine_args import EngineArgs
 from pagedjax.errors import InvalidInputError
 from pagedjax.inputs import PromptType
@@ -34,12 +34,7 @@ class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any):
         use_tqdm = kwargs.pop("use_tqdm_on_load", True)
         args = EngineArgs.from_kwargs(model=model, **kwargs)
-        if args.distributed_executor_backend == "ray":
-            from pagedjax.engine.ray_engine import RayEngine
-
-            self.llm_engine = RayEngine(args)
-        else:
-            self.llm_engine = create_engine(args.create_engine_config(), use_tqdm=use_tqdm)
+        self.llm_engine = create_engine(args, use_tqdm=use_tqdm)
         self._counter = itertools.count()
 
     def get_tokenizer(self):

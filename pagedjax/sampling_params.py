@@ -1,7 +1,8 @@
 """SamplingParams: vLLM's field names, defaults, meanings and validation.
 
 Each field means what vLLM's documentation says it means (and OpenAI's, where OpenAI defines
-the field). Out-of-range values raise `ValueError` naming the field.
+the field). Out-of-range values raise `InvalidInputError` (a `ValueError`) whose `param` is
+the field.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ import copy
 import dataclasses
 import enum
 from typing import Any
+
+from pagedjax.errors import InvalidInputError
 
 _SAMPLING_EPS = 1e-5
 
@@ -92,8 +95,12 @@ class SamplingParams:
         self._verify()
 
     def _verify(self) -> None:
-        def bad(field: str, rule: str) -> ValueError:
-            return ValueError(f"{field} must be {rule}, got {getattr(self, field)!r}")
+        """Raises InvalidInputError (param: the field) for an out-of-range value."""
+
+        def bad(field: str, rule: str) -> InvalidInputError:
+            return InvalidInputError(
+                f"{field} must be {rule}, got {getattr(self, field)!r}", param=field
+            )
 
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", "an integer >= 1")
@@ -119,8 +126,9 @@ class SamplingParams:
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             raise bad("min_tokens", "an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
+            raise InvalidInputError(
+                f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}",
+                param="min_tokens",
             )
         for f in ("logprobs", "prompt_logprobs"):
             v = getattr(self, f)
@@ -131,11 +139,13 @@ class SamplingParams:
         ):
             raise bad("truncate_prompt_tokens", "-1 or an integer >= 1 (or None)")
         if any(not s for s in self.stop):
-            raise ValueError("stop must not contain an empty string")
+            raise InvalidInputError("stop must not contain an empty string", param="stop")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "a list of token ids >= 0")
         if self.allowed_token_ids is not None and not self.allowed_token_ids:
-            raise ValueError("allowed_token_ids must not be empty")
+            raise InvalidInputError(
+                "allowed_token_ids must not be empty", param="allowed_token_ids"
+            )
 
     @property
     def is_greedy(self) -> bool:
@@ -168,8 +178,14 @@ class BeamSearchParams:
 
     def __post_init__(self):
         if not isinstance(self.beam_width, int) or self.beam_width < 1:
-            raise ValueError(f"beam_width must be an integer >= 1, got {self.beam_width!r}")
+            raise InvalidInputError(
+                f"beam_width must be an integer >= 1, got {self.beam_width!r}", param="beam_width"
+            )
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+            raise InvalidInputError(
+                f"max_tokens must be an integer >= 1, got {self.max_tokens!r}", param="max_tokens"
+            )
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+            raise InvalidInputError(
+                f"temperature must be >= 0, got {self.temperature!r}", param="temperature"
+            )

@@ -12,10 +12,12 @@ import httpx
 import pytest
 
 from pagedjax import SamplingParams
-from pagedjax.engine.async_llm import AsyncLLM, EngineDeadError, EngineError, RequestStream
+from pagedjax.engine.async_llm import AsyncLLM, EngineDeadError, EngineError
+from pagedjax.errors import InvalidInputError
 from pagedjax.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedjax.sampling_params import RequestOutputKind
 from pagedjax.server.protocol import ChatCompletionRequest, CompletionRequest
+from pagedjax.server.serving import APIError
 from pagedjax.server.serving_chat import OpenAIServingChat
 from pagedjax.server.serving_completion import OpenAIServingCompletion
 
@@ -95,16 +97,101 @@ def test_every_output_kind_equals_offline(engine, llm):
 def test_add_requests_is_all_or_nothing(engine):
     async def main():
         good = _params(RequestOutputKind.FINAL_ONLY)
-        with pytest.raises(ValueError, match="prompt 1: .*vocabulary"):
+        with pytest.raises(InvalidInputError, match="prompt 1: .*vocabulary") as info:
             await engine.add_requests(
                 [("a", PROMPTS[0], good), ("b", [5, 10**6], good), ("c", PROMPTS[1], good)]
             )
+        assert info.value.param == "prompt"
         await _settle(engine)
         assert _pool_whole(engine)
         with pytest.raises(ValueError, match="already in use"):
             await engine.add_requests([("d", PROMPTS[0], good), ("d", PROMPTS[1], good)])
 
     asyncio.run(main())
+
+
+def test_cumulative_outputs_come_straight_from_the_engine(engine):
+    kinds = []
+    real_add = engine.engine.add_request
+
+    def spy(request_id, prompt, params=None, *args, **kwargs):
+        kinds.append(params.output_kind)
+        return real_add(request_id, prompt, params, *args, **kwargs)
+
+    async def run(kind, rid):
+        params = _params(kind, ignore_eos=True)
+        return [o async for o in engine.generate({"prompt_token_ids": PROMPTS[1]}, params, rid)]
+
+    engine.engine.add_request = spy  # the engine thread looks it up at each add
+    try:
+        cumulative = asyncio.run(run(RequestOutputKind.CUMULATIVE, "cum"))
+        (final,) = asyncio.run(run(RequestOutputKind.FINAL_ONLY, "fin"))
+    finally:
+        del engine.engine.add_request
+    assert kinds == [RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY]
+    assert len(cumulative) == 9  # one output per step, each holding everything so far
+    for k, out in enumerate(cumulative):
+        assert len(out.outputs[0].token_ids) == k + 1
+        if k:
+            assert out.outputs[0].text.startswith(cumulative[k - 1].outputs[0].text)
+    last = cumulative[-1].outputs[0]
+    assert (last.text, last.token_ids, last.finish_reason) == (
+        final.outputs[0].text,
+        final.outputs[0].token_ids,
+        "length",
+    )
+    assert len(last.text) > len(cumulative[0].outputs[0].text)
+    assert _pool_whole(engine)
+
+
+def test_server_maps_engine_refusals_to_400_with_their_param():
+    async def refuse(requests, priority=0, check_max_tokens=False):
+        refuse.check_max_tokens = check_max_tokens
+        raise refuse.error
+
+    async def main(srv, error, **kw):
+        refuse.error = error
+        srv.engine.add_requests = refuse
+        with pytest.raises(APIError) as info:
+            await srv.add_requests([("r", {"prompt_token_ids": [1]}, SamplingParams())], 0, **kw)
+        return info.value
+
+    comp, chat = _fake_serving(OpenAIServingCompletion), _fake_serving(OpenAIServingChat)
+    err = asyncio.run(
+        main(comp, InvalidInputError("too many", "max_tokens"), check_max_tokens=True)
+    )
+    assert (err.status_code, err.body.error.param) == (400, "max_tokens")
+    assert refuse.check_max_tokens is True
+    err = asyncio.run(main(comp, InvalidInputError("empty", "prompt"), check_max_tokens=False))
+    assert (err.status_code, err.body.error.param, err.body.error.message) == (
+        400,
+        "prompt",
+        "empty",
+    )
+    err = asyncio.run(
+        main(
+            chat,
+            InvalidInputError("long", "prompt"),
+            check_max_tokens=False,
+            prompt_param="messages",
+        )
+    )
+    assert err.body.error.param == "messages"  # the chat request's field
+    err = asyncio.run(main(comp, ValueError("no"), check_max_tokens=False))
+    assert (err.status_code, err.body.error.param) == (400, None)
+
+
+def test_sampling_params_errors_name_their_field():
+    for kw, field in (
+        ({"temperature": -1}, "temperature"),
+        ({"max_tokens": 2, "min_tokens": 3}, "min_tokens"),
+        ({"stop": [""]}, "stop"),
+        ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+        ({"allowed_token_ids": []}, "allowed_token_ids"),
+    ):
+        with pytest.raises(InvalidInputError) as info:
+            SamplingParams(**kw)
+        assert info.value.param == field
 
 
 def _aborted(eng: AsyncLLM) -> float:
@@ -263,17 +350,3 @@ def test_chat_logprobs_object():
     assert content[1]["top_logprobs"][2]["logprob"] == -9999.0  # -inf, as JSON allows
     req.logprobs = False
     assert srv._logprobs(req, OUTPUT) is None
-
-
-def test_stream_accumulates_deltas_for_final_only():
-    stream = RequestStream("r", RequestOutputKind.FINAL_ONLY, engine=None)
-
-    def delta(text, ids, lps, finished):
-        reason = "length" if finished else None
-        out = CompletionOutput(0, text, ids, -1.0, lps, reason)
-        return RequestOutput("r", None, [1], [out], finished)
-
-    assert stream._merge(delta("a", [5], [LOGPROBS[0]], False)) is None
-    final = stream._merge(delta("b", [6], [LOGPROBS[1]], True))
-    o = final.outputs[0]
-    assert (o.text, o.token_ids, o.logprobs, o.finish_reason) == ("ab", [5, 6], LOGPROBS, "length")

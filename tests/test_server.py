@@ -95,6 +95,36 @@ def test_token_id_prompts_n_and_echo(server, client, llm):
     assert res.usage.prompt_tokens == 6 and res.usage.completion_tokens == 4 * 12
 
 
+def test_the_engine_truncates_and_usage_counts_the_kept_tokens(server, client, llm):
+    ids = list(range(5, 205))  # 200 tokens, more than max_model_len (128)
+    ref = _offline(llm, [{"prompt_token_ids": ids[-100:]}], **GREEDY)[0]
+    for stream in (False, True):
+        res = client.completions.create(
+            model="tiny",
+            prompt=ids,
+            stream=stream,
+            echo=True,
+            extra_body={"truncate_prompt_tokens": 100},
+            **({"stream_options": {"include_usage": True}} if stream else {}),
+            **GREEDY,
+        )
+        if stream:
+            chunks = list(res)
+            text = "".join(c.text for chunk in chunks for c in chunk.choices)
+            usage = chunks[-1].usage
+        else:
+            text, usage = res.choices[0].text, res.usage
+        assert text == llm.get_tokenizer().decode(ids[-100:]) + ref.outputs[0].text
+        assert (usage.prompt_tokens, usage.completion_tokens) == (100, 12)
+    chat = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "Hi " * 150}],
+        extra_body={"truncate_prompt_tokens": 20},
+        **GREEDY,
+    )
+    assert chat.usage.prompt_tokens == 20 and chat.usage.completion_tokens == 12
+
+
 def test_seeded_sampling_equals_offline(server, client, llm):
     kw = dict(temperature=0.9, top_p=0.9, top_k=50, seed=1234, max_tokens=16)
     ref = _offline(llm, PROMPTS[:2], **kw)

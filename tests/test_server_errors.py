@@ -104,6 +104,28 @@ CASES = [
     comp("empty-stop", {"prompt": "x", "stop": [""]}),
     comp("min-over-max-tokens", {"prompt": "x", "max_tokens": 2, "min_tokens": 5}),
     comp("truncate-zero", {"prompt": "x", "truncate_prompt_tokens": 0}),
+    # Decided by the engine: truncation first, then prompt + max_tokens against max_model_len.
+    comp(
+        "truncate-over-len",
+        {"prompt": "x", "truncate_prompt_tokens": 129},
+        param="truncate_prompt_tokens",
+    ),
+    chat(
+        "truncate-over-len-chat",
+        {"messages": MSG, "truncate_prompt_tokens": 129},
+        param="truncate_prompt_tokens",
+    ),
+    comp(
+        "max-tokens-after-truncation",
+        {"prompt": list(range(5, 205)), "truncate_prompt_tokens": 100, "max_tokens": 29},
+        param="max_tokens",
+    ),
+    chat("max-tokens-over-len-chat", {"messages": MSG, "max_tokens": 1000}, param="max_tokens"),
+    chat(
+        "max-completion-tokens-over",
+        {"messages": MSG, "max_completion_tokens": 999},
+        param="max_tokens",
+    ),
     raw("no-api-key", _j({"prompt": "x"}), 401, headers={"Content-Type": "application/json"}),
     raw("wrong-api-key", _j({"prompt": "x"}), 401, headers={"Authorization": "Bearer nope"}),
     raw("models-no-key", None, 401, headers={}, method="GET", path="/v1/models"),

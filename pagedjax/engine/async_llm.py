@@ -3,19 +3,24 @@
     event loop (FastAPI handlers)              engine thread
     add_requests() --("add", ...)-->  commands  --> LLMEngine.add_request   (ack or ValueError)
     RequestStream.abort() --("abort", id)-->    --> LLMEngine.abort_request (blocks freed)
-                                                    LLMEngine.step() -> RequestOutputs (DELTA)
+                                                    LLMEngine.step() -> RequestOutputs
     RequestStream (asyncio.Queue) <--call_soon_threadsafe-- per-request outputs, metrics
 
 The `LLMEngine` is not thread-safe, so only the engine thread touches it; the event loop
 talks to it through a command queue and gets each request's outputs through that request's
 own `asyncio.Queue`. The thread sleeps on the command queue while no request is unfinished,
 and otherwise drains the commands between two steps, so a new request waits at most one step
-to be admitted. The engine always runs requests with `output_kind=DELTA`; each stream turns
-the deltas into what its caller asked for (DELTA, CUMULATIVE or FINAL_ONLY), and the thread
-records the Prometheus metrics from them (see `pagedjax.engine.prometheus`).
+to be admitted. The engine runs each request in its caller's `output_kind` (DELTA,
+CUMULATIVE or FINAL_ONLY: the engine builds all three) and the stream yields the engine's
+outputs as they are. The thread records the Prometheus metrics from them (see
+`pagedjax.engine.prometheus`): per step for DELTA and CUMULATIVE requests; a FINAL_ONLY
+request's single output gives its time to first token from the engine's timestamps and its
+inter-token latency as the mean over its decode steps (count and sum exact, one observation
+per step after the first).
 
-Failure isolation: a `ValueError` from `add_request` (bad prompt or parameters) reaches the
-caller of `add_requests` and queues nothing. If a step raises, the requests then in flight
+Failure isolation: a `ValueError` from `add_request` (bad prompt or parameters; an
+`InvalidInputError` names the field at fault) reaches the caller of `add_requests` and queues
+nothing. If a step raises, the requests then in flight
 fail with `EngineError` and are aborted (their blocks freed); the engine keeps serving new
 requests. Only if the engine cannot even abort them does it stop (`errored`, and every
 stream and later call gets `EngineDeadError`).
@@ -33,13 +38,15 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from pagedjax.engine.dp_engine import DataParallelEngine, create_engine
+from pagedjax.engine.dp_engine import DataParallelEngine
 from pagedjax.engine.engine import LLMEngine
+from pagedjax.engine.factory import create_engine
 from pagedjax.engine.prometheus import PrometheusStatLogger
 from pagedjax.engine.scheduler import SchedulerStats
 from pagedjax.engine_args import EngineArgs
+from pagedjax.errors import InvalidInputError
 from pagedjax.inputs import PromptType
-from pagedjax.outputs import CompletionOutput, RequestOutput
+from pagedjax.outputs import RequestOutput
 from pagedjax.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -59,14 +66,18 @@ class _Live:
 
     stream: RequestStream
     arrival: float
+    output_kind: RequestOutputKind = RequestOutputKind.DELTA
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
     first_token_time: float | None = None
     last_token_time: float | None = None
+    seen_tokens: dict[int, int] = dataclasses.field(default_factory=dict)  # CUMULATIVE
 
 
 class RequestStream:
-    """The outputs of one request, as an async iterator of `RequestOutput`.
+    """The outputs of one request, as an async iterator of `RequestOutput`, exactly as the
+    engine built them for the request's `output_kind` (DELTA: what is new since the last
+    output; CUMULATIVE: everything so far; FINAL_ONLY: one output, when it finishes).
 
     Iteration ends after the finished output; it raises `EngineError` if the request failed
     inside the engine. `abort()` (also called when the consumer stops early) frees the
@@ -79,39 +90,9 @@ class RequestStream:
         self.finished = False
         self._engine = engine
         self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self._acc: RequestOutput | None = None  # the outputs so far (CUMULATIVE, FINAL_ONLY)
 
     def _put(self, item: RequestOutput | BaseException) -> None:  # event loop thread
         self._queue.put_nowait(item)
-
-    def _merge(self, delta: RequestOutput) -> RequestOutput | None:
-        """Folds an engine delta into what the caller asked for; None when nothing is due."""
-        if self.output_kind == RequestOutputKind.DELTA:
-            return delta
-        if self._acc is None:
-            self._acc = dataclasses.replace(delta, outputs=[_copy(o) for o in delta.outputs])
-        else:
-            by_index = {o.index: o for o in self._acc.outputs}
-            for d in delta.outputs:
-                acc = by_index.get(d.index)
-                if acc is None:
-                    self._acc.outputs.append(_copy(d))
-                    continue
-                acc.text += d.text
-                acc.token_ids = acc.token_ids + list(d.token_ids)
-                if d.logprobs is not None:
-                    acc.logprobs = (acc.logprobs or []) + list(d.logprobs)
-                acc.cumulative_logprob = d.cumulative_logprob
-                acc.finish_reason, acc.stop_reason = d.finish_reason, d.stop_reason
-            self._acc.finished = delta.finished
-            self._acc.num_cached_tokens = delta.num_cached_tokens
-            self._acc.metrics = delta.metrics
-            if delta.prompt_logprobs is not None:
-                self._acc.prompt_logprobs = delta.prompt_logprobs
-        if self.output_kind == RequestOutputKind.FINAL_ONLY and not delta.finished:
-            return None
-        out = self._acc
-        return dataclasses.replace(out, outputs=[_copy(o) for o in out.outputs])
 
     def __aiter__(self) -> AsyncIterator[RequestOutput]:
         return self._iterate()
@@ -124,9 +105,7 @@ class RequestStream:
                     self.finished = True
                     raise item
                 self.finished = item.finished
-                out = self._merge(item)
-                if out is not None:
-                    yield out
+                yield item
         finally:
             if not self.finished:  # the consumer stopped early (e.g. the client went away)
                 self.abort()
@@ -136,14 +115,6 @@ class RequestStream:
         if not self.finished:
             self.finished = True
             self._engine.abort(self.request_id)
-
-
-def _copy(o: CompletionOutput) -> CompletionOutput:
-    return dataclasses.replace(
-        o,
-        token_ids=list(o.token_ids),
-        logprobs=list(o.logprobs) if o.logprobs is not None else None,
-    )
 
 
 class AsyncLLM:
@@ -193,7 +164,7 @@ class AsyncLLM:
         """
         if args.distributed_executor_backend == "ray":
             raise ValueError("distributed_executor_backend='ray' is not supported by the server")
-        return cls(create_engine(args.create_engine_config(), use_tqdm=use_tqdm))
+        return cls(create_engine(args, use_tqdm=use_tqdm))
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -213,20 +184,27 @@ class AsyncLLM:
         self,
         requests: Sequence[tuple[str, PromptType, SamplingParams]],
         priority: int = 0,
+        check_max_tokens: bool = False,
     ) -> list[RequestStream]:
         """Queues several requests at once: all of them, or none.
 
         Args:
             requests: (request id, prompt, SamplingParams) triples; ids unique among
-                unfinished requests. Each params' output_kind says what its stream yields.
+                unfinished requests. Each params' output_kind says what its stream yields;
+                the engine truncates and validates the prompt (truncate_prompt_tokens).
             priority: smaller is served earlier under scheduling_policy="priority".
+            check_max_tokens: refuse a request whose prompt (after truncation) plus its
+                max_tokens exceeds max_model_len, instead of capping max_tokens (the OpenAI
+                protocol's rule; see `LLMEngine.add_request`).
 
         Returns:
             One `RequestStream` per request, in order.
 
         Raises:
-            ValueError: a bad prompt or parameter (the message names the request's position
-                when there are several); no request of the call is queued then.
+            InvalidInputError: the engine refused a field (`param` names it); a ValueError.
+            ValueError: another bad prompt or parameter. With several requests the message
+                names the request's position ("prompt i: ..."); no request of the call is
+                queued then.
             EngineDeadError: the engine has stopped.
         """
         if self.errored or self._stopping:
@@ -234,7 +212,7 @@ class AsyncLLM:
         loop = asyncio.get_running_loop()
         streams = [RequestStream(rid, p.output_kind, self) for rid, _, p in requests]
         ack: asyncio.Future[None] = loop.create_future()
-        self._commands.put(("add", list(requests), priority, streams, loop, ack))
+        self._commands.put(("add", list(requests), priority, check_max_tokens, streams, loop, ack))
         try:
             await ack
         except asyncio.CancelledError:
@@ -249,10 +227,13 @@ class AsyncLLM:
         sampling_params: SamplingParams,
         request_id: str,
         priority: int = 0,
+        check_max_tokens: bool = False,
     ) -> AsyncIterator[RequestOutput]:
         """vLLM's `AsyncLLM.generate`: yields the request's outputs (see output_kind); the
         request is aborted if the caller stops iterating early. Raises as `add_requests`."""
-        (stream,) = await self.add_requests([(request_id, prompt, sampling_params)], priority)
+        (stream,) = await self.add_requests(
+            [(request_id, prompt, sampling_params)], priority, check_max_tokens
+        )
         try:
             async for out in stream:
                 yield out
@@ -302,15 +283,18 @@ class AsyncLLM:
                 self.engine.abort_request(rid)
                 self.metrics.record_finished("abort", None, 0, 0)
             return
-        _, requests, priority, streams, loop, ack = command
+        _, requests, priority, check_max_tokens, streams, loop, ack = command
         added: list[str] = []
         try:
             for i, (rid, prompt, params) in enumerate(requests):
-                engine_params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
                 try:
-                    self.engine.add_request(rid, prompt, engine_params, priority=priority)
+                    self.engine.add_request(
+                        rid, prompt, params, priority=priority, check_max_tokens=check_max_tokens
+                    )
                 except ValueError as e:
-                    raise ValueError(f"prompt {i}: {e}" if len(requests) > 1 else str(e)) from e
+                    if len(requests) > 1:
+                        raise _at_position(e, i) from e
+                    raise
                 added.append(rid)
         except Exception as e:
             self.engine.abort_request(added)
@@ -318,7 +302,7 @@ class AsyncLLM:
             return
         now = time.monotonic()
         for stream in streams:
-            self._live[stream.request_id] = _Live(stream, now)
+            self._live[stream.request_id] = _Live(stream, now, stream.output_kind)
             self._loops[stream.request_id] = loop
         _call(loop, _set_result, ack, None)
 
@@ -344,7 +328,17 @@ class AsyncLLM:
             _call(loop, live.stream._put, out)
 
     def _record_output(self, live: _Live, out: RequestOutput, now: float) -> None:
-        new_tokens = sum(len(o.token_ids) for o in out.outputs)
+        """Metrics from one output of the engine, in the request's output kind."""
+        if live.output_kind == RequestOutputKind.FINAL_ONLY:
+            self._record_final_only(live, out, now)
+            return
+        if live.output_kind == RequestOutputKind.CUMULATIVE:
+            new_tokens = 0
+            for o in out.outputs:
+                new_tokens += len(o.token_ids) - live.seen_tokens.get(o.index, 0)
+                live.seen_tokens[o.index] = len(o.token_ids)
+        else:
+            new_tokens = sum(len(o.token_ids) for o in out.outputs)
         if new_tokens:
             if live.first_token_time is None:
                 live.first_token_time = now
@@ -361,6 +355,32 @@ class AsyncLLM:
                 now - live.arrival,
                 len(out.prompt_token_ids),
                 live.num_generation_tokens,
+            )
+
+    def _record_final_only(self, live: _Live, out: RequestOutput, now: float) -> None:
+        """A FINAL_ONLY request's one output: time to first token from the engine's own
+        timestamps (seconds since the epoch), one inter-token observation per decode step
+        after the first (the mean step time: the steps themselves were not reported)."""
+        generated = sum(len(o.token_ids) for o in out.outputs)
+        steps = max((len(o.token_ids) for o in out.outputs), default=0)
+        e2e = now - live.arrival
+        m = out.metrics
+        first = m.first_token_time if m is not None else None
+        if generated:
+            ttft = e2e if first is None else min(max(first - m.arrival_time, 0.0), e2e)
+            self.metrics.record_first_token(ttft, len(out.prompt_token_ids))
+            if steps > 1:
+                last = m.finished_time if m is not None else None
+                span = last - first if first is not None and last is not None else e2e - ttft
+                for _ in range(steps - 1):
+                    self.metrics.record_inter_token(max(span, 0.0) / (steps - 1))
+            self.metrics.record_generation_tokens(generated)
+        if out.finished:
+            self.metrics.record_finished(
+                out.outputs[0].finish_reason or "stop",
+                e2e,
+                len(out.prompt_token_ids),
+                generated,
             )
 
     def _fail_all(self, error: BaseException, abort: bool = True) -> None:
@@ -390,6 +410,13 @@ class AsyncLLM:
         free = sum(p.num_free_blocks for p in pools)
         total.kv_cache_usage = 1.0 - free / usable if usable else 0.0
         self.metrics.record_scheduler_stats(total, free)
+
+
+def _at_position(e: ValueError, i: int) -> ValueError:
+    """The same refusal, its message naming the request's position in the call."""
+    if isinstance(e, InvalidInputError):
+        return InvalidInputError(f"prompt {i}: {e}", param=e.param)
+    return ValueError(f"prompt {i}: {e}")
 
 
 def _call(loop: asyncio.AbstractEventLoop, fn, *args: Any) -> None:

@@ -47,13 +47,22 @@ class DataParallelEngine:
         return self.replicas[0].prompt_token_ids(prompt)
 
     def add_request(
-        self, request_id: str, prompt, params=None, arrival_time=None, priority: int = 0
+        self,
+        request_id: str,
+        prompt,
+        params=None,
+        arrival_time=None,
+        priority: int = 0,
+        check_max_tokens: bool = False,
     ) -> None:
-        """Queues a request on the least loaded replica (see `LLMEngine.add_request`)."""
+        """Queues a request on the least loaded replica (see `LLMEngine.add_request`, whose
+        arguments and errors these are; a duplicate id raises ValueError)."""
         if request_id in self._owner:
             raise ValueError(f"request id {request_id!r} is already in use")
         replica = min(self.replicas, key=lambda r: r.get_num_unfinished_requests())
-        replica.add_request(request_id, prompt, params, arrival_time, priority)
+        replica.add_request(
+            request_id, prompt, params, arrival_time, priority, check_max_tokens=check_max_tokens
+        )
         self._owner[request_id] = replica
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
@@ -79,10 +88,3 @@ class DataParallelEngine:
             if out.finished:
                 self._owner.pop(out.request_id, None)
         return outputs
-
-
-def create_engine(config: EngineConfig, use_tqdm: bool = True) -> LLMEngine | DataParallelEngine:
-    """An LLMEngine, or a DataParallelEngine when data_parallel_size > 1."""
-    if config.parallel_config.data_parallel_size > 1:
-        return DataParallelEngine(config, use_tqdm)
-    return LLMEngine(config, use_tqdm)

@@ -39,11 +39,9 @@ class _Worker:
 
     def start(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        from pagedjax.engine.dp_engine import create_engine
+        from pagedjax.engine.factory import create_engine
 
-        self.engine = create_engine(
-            EngineArgs.from_kwargs(**kwargs).create_engine_config(), use_tqdm=False
-        )
+        self.engine = create_engine(EngineArgs.from_kwargs(**kwargs), use_tqdm=False)
         eng = self.engine
         return {
             "layout": eng.layout,
@@ -111,17 +109,23 @@ class RayEngine:
         return self._ray.get(self.actors[0].call.remote("prompt_token_ids", prompt))
 
     def add_request(
-        self, request_id: str, prompt, params=None, arrival_time=None, priority: int = 0
+        self,
+        request_id: str,
+        prompt,
+        params=None,
+        arrival_time=None,
+        priority: int = 0,
+        check_max_tokens: bool = False,
     ) -> None:
+        """Queues a request on every actor (one model over processes) or on the least loaded
+        replica's actor (see `LLMEngine.add_request`, whose errors it raises)."""
+        args = (request_id, prompt, params, arrival_time, priority)
+        kw = {"check_max_tokens": check_max_tokens}
         if self.spmd:
-            self._all("add_request", request_id, prompt, params, arrival_time, priority)
+            self._ray.get([a.call.remote("add_request", *args, **kw) for a in self.actors])
             return
         i = min(range(len(self.actors)), key=lambda j: self._unfinished[j])
-        self._ray.get(
-            self.actors[i].call.remote(
-                "add_request", request_id, prompt, params, arrival_time, priority
-            )
-        )
+        self._ray.get(self.actors[i].call.remote("add_request", *args, **kw))
         self._owner[request_id] = i
         self._unfinished[i] += 1
 

@@ -168,8 +168,14 @@ class CompletionRequest(SamplingRequest):
     add_special_tokens: bool = True
     return_tokens_as_token_ids: bool = False
 
-    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        """Raises ValueError for combinations the fields' own ranges cannot express."""
+    def to_sampling_params(self, default_max_tokens: int | None = None) -> SamplingParams:
+        """The request's SamplingParams; max_tokens is default_max_tokens when not given
+        (None: the engine allows all the room max_model_len leaves).
+
+        Raises:
+            ValueError: combinations the fields' own ranges cannot express;
+                InvalidInputError (param: the field) for a value SamplingParams refuses.
+        """
         self.check_stream_options()
         if self.suffix is not None:
             raise ValueError("suffix is not supported")
@@ -219,8 +225,14 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
-    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        """Raises ValueError for combinations the fields' own ranges cannot express."""
+    def to_sampling_params(self, default_max_tokens: int | None = None) -> SamplingParams:
+        """The request's SamplingParams; max_tokens is max_completion_tokens, else
+        max_tokens, else default_max_tokens (None: all the room max_model_len leaves).
+
+        Raises:
+            ValueError: combinations the fields' own ranges cannot express;
+                InvalidInputError (param: the field) for a value SamplingParams refuses.
+        """
         self.check_stream_options()
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs to be true")

@@ -1,10 +1,13 @@
-"""What the completions and chat handlers share: the error type, model and length checks,
-prompt preparation (tokenization, the chat template), logprob conversion, SSE framing, and
-the merge of several request streams into one.
+"""What the completions and chat handlers share: the error type, the model check, prompt
+preparation (tokenization, the chat template), handing requests to the engine (whose
+refusals become 400s), logprob conversion, SSE framing, and the merge of several request
+streams into one.
 
 Tokenization happens here, on the event loop, and the engine receives token ids only: the
 engine thread never tokenizes a server request, so the tokenizer is never used by two
-threads for encoding at once.
+threads for encoding at once. The engine validates prompts and parameters once (prompt
+length, vocabulary, truncate_prompt_tokens, logprobs limits, prompt + max_tokens against
+max_model_len); an `InvalidInputError` it raises becomes a 400 whose `param` is its field.
 """
 
 from __future__ import annotations
@@ -17,7 +20,10 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from pagedjax.engine.async_llm import AsyncLLM, RequestStream
+from pagedjax.errors import InvalidInputError
+from pagedjax.inputs import PromptType
 from pagedjax.outputs import Logprob, RequestOutput
+from pagedjax.sampling_params import SamplingParams
 from pagedjax.server.protocol import ChatMessage, ErrorInfo, ErrorResponse, SamplingRequest
 
 logger = logging.getLogger(__name__)
@@ -47,6 +53,15 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
 
 
+def bad_input(e: ValueError, prompt_param: str = "prompt") -> APIError:
+    """The 400 for a refused input: an `InvalidInputError`'s `param` (its "prompt" renamed
+    to `prompt_param`, the endpoint's field), none for a plain ValueError."""
+    param = e.param if isinstance(e, InvalidInputError) else None
+    if param == "prompt":
+        param = prompt_param
+    return bad_request(str(e), param)
+
+
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
@@ -74,7 +89,7 @@ class OpenAIServing:
         self.chat_template = chat_template
         self.tokenizer = engine.get_tokenizer()
         mc = engine.model_config
-        self.max_model_len = mc.max_model_len
+        self.max_model_len = mc.max_model_len  # reported by /tokenize and /v1/models
         self.vocab_size = mc.arch.vocab_size
 
     # ------------------------------------------------------------------- checks
@@ -101,55 +116,41 @@ class OpenAIServing:
         return self.tokenizer
 
     def check_token_ids(self, ids: Sequence[int], what: str = "prompt") -> None:
+        """For /detokenize (generation requests are checked by the engine).
+
+        Raises:
+            APIError 400: a token id outside [0, vocab_size).
+        """
         bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise bad_request(
                 f"{what} token id {bad} is out of the vocabulary [0, {self.vocab_size})"
             )
 
-    def fit_prompt(
+    async def add_requests(
         self,
-        ids: list[int],
-        max_tokens: int | None,
-        truncate_prompt_tokens: int | None,
-        what: str = "prompt",
-    ) -> tuple[list[int], int]:
-        """Truncates the prompt if asked and checks prompt + output against max_model_len.
+        requests: Sequence[tuple[str, PromptType, SamplingParams]],
+        priority: int,
+        check_max_tokens: bool,
+        prompt_param: str = "prompt",
+    ) -> list[RequestStream]:
+        """Hands (request id, token-id prompt, SamplingParams) triples to the engine, which
+        truncates (truncate_prompt_tokens) and validates them: all are queued, or none.
 
-        Returns:
-            (prompt token ids, the output budget: max_tokens, or all the room left).
+        Args:
+            check_max_tokens: the client gave max_tokens, so prompt + max_tokens above
+                max_model_len is refused (param "max_tokens") rather than capped.
+            prompt_param: the request field the engine's "prompt" is ("messages" in chat).
 
         Raises:
-            APIError 400: empty prompt, truncation beyond max_model_len, or a request longer
-                than max_model_len (vLLM's message, which names both counts).
+            APIError 400: the engine refused an input (see `bad_input`).
         """
-        m = self.max_model_len
-        if truncate_prompt_tokens is not None:
-            k = m if truncate_prompt_tokens == -1 else truncate_prompt_tokens
-            if k == 0 or k > m:
-                raise bad_request(
-                    f"truncate_prompt_tokens must be -1 or in [1, max_model_len={m}], got "
-                    f"{truncate_prompt_tokens}",
-                    "truncate_prompt_tokens",
-                )
-            ids = ids[-k:]
-        if not ids:
-            raise bad_request(f"the {what} must not be empty (it has 0 tokens)", what)
-        if len(ids) >= m:
-            raise bad_request(
-                f"This model's maximum context length is {m} tokens. However, your request "
-                f"has {len(ids)} input tokens, which leaves no room for output. Please reduce "
-                f"the length of the {what}.",
-                what,
+        try:
+            return await self.engine.add_requests(
+                requests, priority=priority, check_max_tokens=check_max_tokens
             )
-        if max_tokens is not None and len(ids) + max_tokens > m:
-            raise bad_request(
-                f"This model's maximum context length is {m} tokens. However, you requested "
-                f"{len(ids) + max_tokens} tokens ({len(ids)} in the {what}, {max_tokens} in "
-                f"the completion). Please reduce the length of the {what} or completion.",
-                "max_tokens",
-            )
-        return ids, (max_tokens if max_tokens is not None else m - len(ids))
+        except ValueError as e:
+            raise bad_input(e, prompt_param) from e
 
     # ---------------------------------------------------------------- prompts
 

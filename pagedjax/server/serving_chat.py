@@ -34,7 +34,7 @@ from pagedjax.server.serving import (
     SSE_DONE,
     APIError,
     OpenAIServing,
-    bad_request,
+    bad_input,
     clamp_logprob,
     merge_streams,
     random_id,
@@ -50,9 +50,9 @@ class OpenAIServingChat(OpenAIServing):
         self.check_model(request.model)
         self.warn_ignored_fields(request)
         try:
-            request.to_sampling_params(1)  # the combination checks, before rendering
+            params = request.to_sampling_params()  # max_tokens None: all the room left
         except ValueError as e:
-            raise bad_request(str(e)) from e
+            raise bad_input(e) from e
         ids = self.render_chat(
             request.messages,
             request.add_generation_prompt,
@@ -60,24 +60,17 @@ class OpenAIServingChat(OpenAIServing):
             request.tools if request.tool_choice == "none" else None,
             request.chat_template_kwargs,
         )
-        max_tokens = request.max_completion_tokens or request.max_tokens
-        ids, budget = self.fit_prompt(ids, max_tokens, request.truncate_prompt_tokens, "messages")
-        try:
-            params = request.to_sampling_params(budget)
-        except ValueError as e:
-            raise bad_request(str(e)) from e
-        params.truncate_prompt_tokens = None  # applied by fit_prompt
         request_id = random_id("chatcmpl")
-        try:
-            (stream,) = await self.engine.add_requests(
-                [(request_id, {"prompt_token_ids": ids}, params)], priority=request.priority
-            )
-        except ValueError as e:
-            raise bad_request(str(e)) from e
+        (stream,) = await self.add_requests(
+            [(request_id, {"prompt_token_ids": ids}, params)],
+            request.priority,
+            check_max_tokens=params.max_tokens is not None,
+            prompt_param="messages",
+        )
         created = int(time.time())
         if request.stream:
             return StreamingResponse(
-                self._stream(request, request_id, created, len(ids), stream),
+                self._stream(request, request_id, created, stream),
                 media_type="text/event-stream",
             )
         final = None
@@ -103,9 +96,9 @@ class OpenAIServingChat(OpenAIServing):
             model=self.served_model_name,
             choices=choices,
             usage=UsageInfo(
-                prompt_tokens=len(ids),
+                prompt_tokens=len(final.prompt_token_ids),
                 completion_tokens=completion_tokens,
-                total_tokens=len(ids) + completion_tokens,
+                total_tokens=len(final.prompt_token_ids) + completion_tokens,
             ),
         )
         return JSONResponse(body.model_dump())
@@ -142,13 +135,13 @@ class OpenAIServingChat(OpenAIServing):
         request: ChatCompletionRequest,
         request_id: str,
         created: int,
-        prompt_tokens: int,
         stream: RequestStream,
     ) -> AsyncIterator[str]:
         opts = request.stream_options
         include_usage = bool(opts and opts.include_usage)
         continuous = bool(opts and opts.continuous_usage_stats)
         completion_tokens = [0] * request.n
+        prompt_tokens = 0  # the engine's count (after truncation), from the first output
 
         def usage() -> UsageInfo:
             c = sum(completion_tokens)
@@ -170,10 +163,14 @@ class OpenAIServingChat(OpenAIServing):
             return sse(json.dumps(data, ensure_ascii=False))
 
         try:
-            for i in range(request.n):
-                first = ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
-                yield chunk([first], continuous)
+            first_output = True
             async for _, out in merge_streams([stream]):
+                if first_output:  # the role chunks, once the prompt's token count is known
+                    first_output = False
+                    prompt_tokens = len(out.prompt_token_ids)
+                    for i in range(request.n):
+                        role = DeltaMessage(role="assistant", content="")
+                        yield chunk([ChatChunkChoice(index=i, delta=role)], continuous)
                 for o in out.outputs:
                     completion_tokens[o.index] += len(o.token_ids)
                     if not o.text and o.finish_reason is None and not request.logprobs:

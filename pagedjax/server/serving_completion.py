@@ -5,7 +5,7 @@ one JSON `CompletionResponse`, or server-sent `text_completion` chunks ending wi
 Each prompt of the list is one engine request of n sequences; choice i*n + j is sequence j
 of prompt i (OpenAI's and vLLM's order). With `echo`, the prompt text leads each choice's
 text (in a stream, as the choice's first chunk). Usage counts every prompt once and every
-choice's output tokens.
+choice's output tokens; a prompt's token count is the engine's, after truncate_prompt_tokens.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from pagedjax.server.serving import (
     SSE_DONE,
     APIError,
     OpenAIServing,
+    bad_input,
     bad_request,
     clamp_logprob,
     merge_streams,
@@ -57,29 +58,26 @@ class OpenAIServingCompletion(OpenAIServing):
                     raise bad_request(f"prompt {i} must not be empty", "prompt")
                 out.append((item, self.encode(item, request.add_special_tokens)))
             else:
-                self.check_token_ids(item)
-                out.append((None, list(item)))
+                out.append((None, list(item)))  # the engine checks them
         return out
 
     async def create(self, request: CompletionRequest):
         """Returns a JSONResponse or a StreamingResponse; raises APIError for bad input."""
         self.check_model(request.model)
         self.warn_ignored_fields(request)
-        prompts, engine_requests = [], []
-        request_id = random_id("cmpl")
-        for i, (text, ids) in enumerate(self._prompts(request)):
-            ids, budget = self.fit_prompt(ids, request.max_tokens, request.truncate_prompt_tokens)
-            try:
-                params = request.to_sampling_params(budget)
-            except ValueError as e:
-                raise bad_request(str(e)) from e
-            params.truncate_prompt_tokens = None  # applied by fit_prompt
-            prompts.append((text, ids))
-            engine_requests.append((f"{request_id}-{i}", {"prompt_token_ids": ids}, params))
         try:
-            streams = await self.engine.add_requests(engine_requests, priority=request.priority)
+            params = request.to_sampling_params()  # max_tokens None: all the room left
         except ValueError as e:
-            raise bad_request(str(e)) from e
+            raise bad_input(e) from e
+        request_id = random_id("cmpl")
+        prompts = self._prompts(request)
+        engine_requests = [
+            (f"{request_id}-{i}", {"prompt_token_ids": ids}, params)
+            for i, (_, ids) in enumerate(prompts)
+        ]
+        streams = await self.add_requests(
+            engine_requests, request.priority, check_max_tokens=request.max_tokens is not None
+        )
         created = int(time.time())
         if request.stream:
             return StreamingResponse(
@@ -102,8 +100,8 @@ class OpenAIServingCompletion(OpenAIServing):
     def _response(self, request, request_id, created, prompts, results) -> CompletionResponse:
         choices = []
         completion_tokens = 0
-        for i, ((text, ids), res) in enumerate(zip(prompts, results, strict=True)):
-            echo = self._echo_text(text, ids) if request.echo else ""
+        for i, ((text, _), res) in enumerate(zip(prompts, results, strict=True)):
+            echo = self._echo_text(text, res.prompt_token_ids) if request.echo else ""
             for o in res.outputs:
                 completion_tokens += len(o.token_ids)
                 choices.append(
@@ -115,7 +113,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         stop_reason=o.stop_reason,
                     )
                 )
-        prompt_tokens = sum(len(ids) for _, ids in prompts)
+        prompt_tokens = sum(len(res.prompt_token_ids) for res in results)
         return CompletionResponse(
             id=request_id,
             created=created,
@@ -185,16 +183,14 @@ class OpenAIServingCompletion(OpenAIServing):
         opts = request.stream_options
         include_usage = bool(opts and opts.include_usage)
         continuous = bool(opts and opts.continuous_usage_stats)
-        prompt_tokens = sum(len(ids) for _, ids in prompts)
+        prompt_lens = [0] * len(prompts)  # the engine's counts, known from a prompt's output
         completion_tokens = [0] * (len(prompts) * n)
         echo_pending = [request.echo] * len(completion_tokens)
         sent_chars = [0] * len(completion_tokens)  # where the next logprobs' offsets start
 
         def usage() -> UsageInfo:
-            c = sum(completion_tokens)
-            return UsageInfo(
-                prompt_tokens=prompt_tokens, completion_tokens=c, total_tokens=prompt_tokens + c
-            )
+            p, c = sum(prompt_lens), sum(completion_tokens)
+            return UsageInfo(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
 
         def chunk(choices: list[CompletionChoice], with_usage: bool) -> str:
             body = CompletionResponse(
@@ -208,11 +204,12 @@ class OpenAIServingCompletion(OpenAIServing):
 
         try:
             async for i, out in merge_streams(streams):
+                prompt_lens[i] = len(out.prompt_token_ids)
                 for o in out.outputs:
                     idx = i * n + o.index
                     text, echo_len = o.text, 0
                     if echo_pending[idx]:
-                        echo = self._echo_text(*prompts[i])
+                        echo = self._echo_text(prompts[i][0], out.prompt_token_ids)
                         text, echo_len = echo + text, len(echo)
                         echo_pending[idx] = False
                     completion_tokens[idx] += len(o.token_ids)

@@ -1,0 +1,58 @@
+"""The one place that picks the engine behind the `LLMEngine` interface.
+
+    distributed_executor_backend="ray"  -> RayEngine (actors; EngineArgs only)
+    data_parallel_size > 1              -> DataParallelEngine (replicas in this process)
+    otherwise                           -> LLMEngine
+
+`LLM`, `AsyncLLM` (the server) and the Ray actors all build their engine here.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pagedjax.config import EngineConfig
+from pagedjax.engine_args import EngineArgs
+
+if TYPE_CHECKING:
+    from pagedjax.engine.dp_engine import DataParallelEngine
+    from pagedjax.engine.engine import LLMEngine
+    from pagedjax.engine.ray_engine import RayEngine
+
+    AnyEngine = LLMEngine | DataParallelEngine | RayEngine
+
+
+def create_engine(args: EngineArgs | EngineConfig, use_tqdm: bool = True) -> AnyEngine:
+    """Builds the engine the arguments ask for (see the module docstring).
+
+    Args:
+        args: EngineArgs, or an already validated EngineConfig (which cannot ask for Ray:
+            the Ray engine starts its actors from EngineArgs).
+        use_tqdm: show the warm-up progress bar (in-process engines).
+
+    Returns:
+        An LLMEngine, a DataParallelEngine or a RayEngine; each has `add_request`, `step`,
+        `abort_request`, `has_unfinished_requests`, `config`, `tokenizer`, `eos_token_id`.
+
+    Raises:
+        ValueError: an invalid engine argument (named), the Ray backend asked through an
+            EngineConfig, or "ray" with neither num_processes nor data_parallel_size above 1.
+        ImportError: the "ray" backend without Ray installed.
+    """
+    if isinstance(args, EngineArgs):
+        if args.distributed_executor_backend == "ray":
+            from pagedjax.engine.ray_engine import RayEngine
+
+            return RayEngine(args)
+        config = args.create_engine_config()
+    else:
+        config = args
+        if config.parallel_config.distributed_executor_backend == "ray":
+            raise ValueError("the Ray engine is built from EngineArgs, not from an EngineConfig")
+    if config.parallel_config.data_parallel_size > 1:
+        from pagedjax.engine.dp_engine import DataParallelEngine
+
+        return DataParallelEngine(config, use_tqdm)
+    from pagedjax.engine.engine import LLMEngine
+
+    return LLMEngine(config, use_tqdm)
