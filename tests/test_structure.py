@@ -5,6 +5,8 @@ functions (a lazy import is still a dependency), `if TYPE_CHECKING:` blocks incl
 relative imports are resolved, and `from pagedjax.x import y` counts as importing `pagedjax.x.y`
 when y is a submodule. A package's `__init__` is an edge only where something imports the
 package itself. The graph must be acyclic.
+
+No module of the package is over `MAX_LINES` lines: a longer file is split by concern.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pathlib import Path
 import pagedjax
 
 ROOT = Path(pagedjax.__file__).parent
+MAX_LINES = 500
 
 
 def module_files(root: Path = ROOT) -> dict[str, Path]:
@@ -93,3 +96,25 @@ def test_graph_sees_lazy_relative_and_submodule_imports():
 def test_no_import_cycles():
     cycle = find_cycle(import_graph())
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def long_files(root: Path = ROOT, limit: int = MAX_LINES) -> dict[str, int]:
+    """{path relative to the package's parent: line count} of the .py files over `limit`."""
+    out = {}
+    for path in sorted(root.rglob("*.py")):
+        n = len(path.read_text().splitlines())
+        if n > limit:
+            out[str(path.relative_to(root.parent))] = n
+    return out
+
+
+def test_long_files_sees_a_file_over_the_limit(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "short.py").write_text("x = 1\n" * 3)
+    (tmp_path / "pkg" / "long.py").write_text("x = 1\n" * 4)
+    assert long_files(tmp_path / "pkg", limit=3) == {"pkg/long.py": 4}
+
+
+def test_no_file_over_max_lines():
+    over = long_files()
+    assert not over, f"files over {MAX_LINES} lines (split them by concern): {over}"

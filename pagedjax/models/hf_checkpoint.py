@@ -1,0 +1,71 @@
+"""Reading Hugging Face safetensors checkpoints: streaming their tensors (single file or
+sharded with an index; fp8 tensors through `quant_loader`) and routing each HF tensor name
+to its place in the params pytree (`assign_hf`)."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from pagedjax.models import quant_loader
+from pagedjax.models.hf_format import HF_LAYER_NAMES
+from pagedjax.models.llama import LlamaArchConfig
+from pagedjax.models.sources import safetensors_files
+from pagedjax.models.stacking import StackedParams
+
+_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+def hf_tensors(folder: str) -> Iterator[tuple[str, np.ndarray]]:
+    """(name, array) for every tensor of the folder's checkpoint, one at a time.
+
+    Raises:
+        ValueError: no *.safetensors file, or shards the index lists are missing.
+    """
+    from safetensors import safe_open
+
+    folder_p = Path(folder)
+    index = folder_p / "model.safetensors.index.json"
+    if index.exists():
+        with open(index) as f:
+            weight_map: dict[str, str] = json.load(f)["weight_map"]
+        files = sorted(set(weight_map.values()))
+        missing = [name for name in files if not (folder_p / name).exists()]
+        if missing:
+            raise ValueError(f"checkpoint shards listed in {index.name} are missing: {missing}")
+        paths = [folder_p / name for name in files]
+    else:
+        paths = safetensors_files(folder_p)
+        if not paths:
+            raise ValueError(f"no *.safetensors file in {folder!r}")
+    for path in paths:
+        with safe_open(str(path), framework="numpy") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                if quant_loader.is_fp8_safetensors_dtype(f.get_slice(name).get_dtype()):
+                    yield name, quant_loader.read_fp8_tensor(path, name)
+                else:
+                    yield name, f.get_tensor(name)
+
+
+def assign_hf(stack: StackedParams, cfg: LlamaArchConfig, name: str, value) -> None:
+    """Routes one HF tensor (torch layout [out, in]) to its place in the pytree."""
+    if name.endswith("rotary_emb.inv_freq"):
+        return  # a buffer some old checkpoints saved; recomputed from the config
+    if m := _HF_LAYER.match(name):
+        target, transpose = HF_LAYER_NAMES.get(m.group(2), (None, False))
+        if target is None:
+            raise ValueError(f"unexpected tensor {name!r} for this architecture")
+        stack.set_layer(target, int(m.group(1)), value.T if transpose else value, name)
+    elif name == "model.embed_tokens.weight":
+        stack.set_global("embed_tokens", value, name)
+    elif name == "model.norm.weight":
+        stack.set_global("final_norm", value, name)
+    elif name == "lm_head.weight":
+        if not cfg.tie_word_embeddings:  # tied checkpoints sometimes carry a copy
+            stack.set_global("lm_head", value.T, name)
+    else:
+        raise ValueError(f"unexpected tensor {name!r} for this architecture")

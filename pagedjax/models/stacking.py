@@ -1,0 +1,69 @@
+"""Stacking per-layer checkpoint tensors into the `models.llama` params pytree.
+
+`StackedParams` is filled tensor by tensor (global weights, and one layer of a stacked
+[L, ...] weight at a time), checking names and shapes as it goes; each stacked weight is
+handed to `place` (e.g. sent to the device) as soon as all its layers are in, so the host
+holds at most one stacked weight. The checkpoint formats' name routing lives with their
+readers (`hf_checkpoint`, `gguf_file`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from pagedjax.models.llama import LlamaArchConfig, param_shapes
+
+
+class StackedParams:
+    """Fills the params pytree tensor by tensor, checking names and shapes as it goes."""
+
+    def __init__(self, cfg: LlamaArchConfig, dtype, place: Callable[[str, np.ndarray], Any]):
+        self.cfg, self.dtype, self.place = cfg, np.dtype(dtype), place
+        self.shapes = param_shapes(cfg)
+        self.params: dict[str, Any] = {"layers": {}}
+        self._bufs: dict[str, np.ndarray] = {}
+        self._filled: dict[str, set[int]] = {}
+
+    def set_global(self, name: str, value: np.ndarray, source_name: str) -> None:
+        if name not in self.shapes:
+            raise ValueError(f"unexpected tensor {source_name!r} for this architecture")
+        check_shape(source_name, value.shape, self.shapes[name])
+        self.params[name] = self.place(name, np.asarray(value, self.dtype))
+
+    def set_layer(self, name: str, layer: int, value: np.ndarray, source_name: str) -> None:
+        shape = self.shapes["layers"].get(name)
+        if shape is None:
+            raise ValueError(f"unexpected tensor {source_name!r} for this architecture")
+        if not 0 <= layer < self.cfg.num_hidden_layers:
+            raise ValueError(
+                f"tensor {source_name!r} names layer {layer}, but the model has "
+                f"{self.cfg.num_hidden_layers} layers"
+            )
+        check_shape(source_name, value.shape, shape[1:])
+        buf = self._bufs.get(name)
+        if buf is None:
+            buf = self._bufs[name] = np.empty(shape, self.dtype)
+            self._filled[name] = set()
+        buf[layer] = value
+        self._filled[name].add(layer)
+        if len(self._filled[name]) == self.cfg.num_hidden_layers:
+            self.params["layers"][name] = self.place("layers/" + name, self._bufs.pop(name))
+
+    def finish(self, what: str) -> dict[str, Any]:
+        missing = [k for k in self.shapes if k != "layers" and k not in self.params]
+        for name, shape in self.shapes["layers"].items():
+            if name not in self.params["layers"]:
+                have = self._filled.get(name, set())
+                gaps = [i for i in range(shape[0]) if i not in have]
+                missing.append(f"layers/{name} (layers {gaps[:8]}{'...' if len(gaps) > 8 else ''})")
+        if missing:
+            raise ValueError(f"{what} is missing tensors: {', '.join(missing)}")
+        return self.params
+
+
+def check_shape(name: str, got: tuple[int, ...], want: tuple[int, ...]) -> None:
+    if tuple(got) != tuple(want):
+        raise ValueError(f"tensor {name!r} has shape {tuple(got)}, expected {tuple(want)}")
