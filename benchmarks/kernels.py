@@ -74,8 +74,8 @@ def make_case(batch, context_len, query_len, *, heads, kv_heads, head_dim, block
     import jax.numpy as jnp
     import numpy as np
 
-    from pagedjax.engine.input_batch import BatchBuilder, SeqInput
-    from pagedjax.engine.runner import KV_CHUNK_TOKENS, QUERY_TILE_SIZE
+    from pagedjax.executor.input_batch import BatchBuilder, SeqInput
+    from pagedjax.executor.model_runner import KV_CHUNK_TOKENS, QUERY_TILE_SIZE
     from pagedjax.ops.attention import AttentionMetadata
 
     rng = np.random.default_rng(seed)

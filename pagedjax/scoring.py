@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pagedjax.engine.input_batch import BatchBuilder, SeqInput
+from pagedjax.executor.input_batch import BatchBuilder, SeqInput
 from pagedjax.models import llama
 from pagedjax.ops.attention import AttentionMetadata
 from pagedjax.ops.kv_cache import init_kv_cache, kv_cache_jnp_dtype, kv_cache_shape

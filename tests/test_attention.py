@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pagedjax.engine.input_batch import BatchBuilder, SeqInput
+from pagedjax.executor.input_batch import BatchBuilder, SeqInput
 from pagedjax.ops import cpu_attention, cpu_kernels
 from pagedjax.ops.attention import AttentionMetadata, ragged_paged_attention
 

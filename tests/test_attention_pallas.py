@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from pagedjax import SamplingParams
-from pagedjax.engine.input_batch import BatchBuilder, SeqInput
+from pagedjax.executor.input_batch import BatchBuilder, SeqInput
 from pagedjax.ops.attention import AttentionMetadata, ragged_paged_attention
 from pagedjax.ops.paged_attention_pallas import paged_attention_pallas, unsupported_reason
 from pagedjax.ops.paged_attention_ref import paged_attention_reference

@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pagedjax.engine.input_batch import BatchBuilder, SeqInput
 from pagedjax.engine_args import EngineArgs
+from pagedjax.executor.input_batch import BatchBuilder, SeqInput
 from pagedjax.models import llama, loader
 from pagedjax.ops import cpu_linear, linear
 from pagedjax.ops.attention import AttentionMetadata

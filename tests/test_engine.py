@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from pagedjax import SamplingParams
-from pagedjax.engine.runner import compile_count
 from pagedjax.engine_args import EngineArgs
 from pagedjax.errors import InvalidInputError
+from pagedjax.executor.model_runner import compile_count
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 

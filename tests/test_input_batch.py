@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pagedjax.engine.input_batch import BatchBuilder, SeqInput, token_buckets
+from pagedjax.executor.input_batch import BatchBuilder, SeqInput, token_buckets
 
 
 def test_token_buckets():

@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import hf_model, make_checkpoint
 
-from pagedjax.engine.input_batch import BatchBuilder, SeqInput
+from pagedjax.executor.input_batch import BatchBuilder, SeqInput
 from pagedjax.models import llama, loader
 from pagedjax.ops import cpu_linear
 from pagedjax.ops.attention import AttentionMetadata

@@ -13,7 +13,7 @@ from conftest import hf_greedy, hf_model
 from test_quant_checkpoints import HF_LINEAR, _numpy_dequantize, _raw, _write_fp8, _write_int4
 
 from pagedjax import SamplingParams
-from pagedjax.engine.runner import compile_count
+from pagedjax.executor.model_runner import compile_count
 from pagedjax.models import loader
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pagedjax.engine.input_batch import MAX_BANNED
+from pagedjax.executor.input_batch import MAX_BANNED
 from pagedjax.ops.sampling import (
     SamplingMetadata,
     apply_min_p,

@@ -88,3 +88,13 @@ class DataParallelEngine:
             if out.finished:
                 self._owner.pop(out.request_id, None)
         return outputs
+
+
+def create_local_engine(
+    config: EngineConfig, use_tqdm: bool = True
+) -> LLMEngine | DataParallelEngine:
+    """The engine of one process: data_parallel_size replicas (`DataParallelEngine`), or one
+    `LLMEngine`."""
+    if config.parallel_config.data_parallel_size > 1:
+        return DataParallelEngine(config, use_tqdm)
+    return LLMEngine(config, use_tqdm)

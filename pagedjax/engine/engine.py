@@ -20,8 +20,6 @@ import random
 import time
 from collections.abc import Iterable
 
-import jax
-
 from pagedjax.config import EngineConfig
 from pagedjax.engine.detokenizer import IncrementalDetokenizer
 from pagedjax.engine.input_processor import InputProcessor
@@ -29,16 +27,13 @@ from pagedjax.engine.kv_cache_manager import KVCacheManager
 from pagedjax.engine.metrics import StatLogger
 from pagedjax.engine.output_processor import OutputProcessor
 from pagedjax.engine.request import Request, RequestStatus
-from pagedjax.engine.runner import ModelRunner
 from pagedjax.engine.scheduler import Scheduler
 from pagedjax.engine_args import EngineArgs
+from pagedjax.executor.model_loading import load_model
+from pagedjax.executor.model_runner import ModelRunner
 from pagedjax.inputs import PromptType
-from pagedjax.models import llama, loader
-from pagedjax.ops import cpu_linear
 from pagedjax.outputs import RequestOutput
 from pagedjax.sampling_params import SamplingParams
-from pagedjax.sharding.mesh import device_grid, replica_mesh
-from pagedjax.sharding.rules import ShardingPlan, per_device_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -82,41 +77,9 @@ class LLMEngine:
         """
         self.config = config
         mc, cc = config.model_config, config.cache_config
-        _setup_compilation_cache(config.compilation_cache_dir)
-        t0 = time.perf_counter()
-        source = loader.ModelSource(mc.source_kind, mc.source_path)
-        if source.kind == "gguf":
-            source = loader.converted_gguf_source(source, mc.download_dir)
-        self.tokenizer = (
-            None if mc.skip_tokenizer_init else loader.load_tokenizer(source, mc.tokenizer)
-        )
-        pc = config.parallel_config
-        if devices is None:
-            devices = device_grid(
-                jax.devices(), 1, pc.pipeline_parallel_size, pc.tensor_parallel_size
-            )[0]
-        self.plan = ShardingPlan(replica_mesh(devices), llama.logical_unit_counts(mc.arch))
-        logical = llama.param_logical_axes(mc.arch)
-
-        def sharding_for(name: str):
-            axes = logical
-            for part in name.split("/"):
-                axes = axes[part]
-            return self.plan.sharding(axes)
-
-        params = loader.load_params(
-            source,
-            mc.arch,
-            mc.dtype,
-            sharding_for=sharding_for,
-            quantization=mc.quantization,
-            kv_cache_dtype=cc.kv_cache_dtype,
-        )
-        params = jax.device_put(params, self.plan.param_shardings(params, logical))
-        if mc.linear_backend == "cpu":  # the native matmul's panel layout, packed once
-            params = cpu_linear.pack_params(params)
-        load_s = time.perf_counter() - t0
-        self.runner = ModelRunner(config, params, self.plan)
+        loaded = load_model(config, devices)
+        self.tokenizer, self.plan = loaded.tokenizer, loaded.plan
+        self.runner = ModelRunner(config, loaded.params, self.plan)
         num_blocks = self.runner.determine_num_blocks()
         num_host_blocks = 0
         if config.scheduler_config.preemption_mode == "swap":
@@ -128,10 +91,10 @@ class LLMEngine:
             "%d tokens (%d tokens, %.2f GiB); maximum concurrency for %d tokens per request: "
             "%.2fx",
             mc.served_model_name,
-            load_s,
+            loaded.load_s,
             mc.dtype,
             mc.quantization,
-            jax.default_backend(),
+            self.runner.platform,
             self.runner.kv_dtype.name,
             num_blocks,
             cc.block_size,
@@ -162,21 +125,15 @@ class LLMEngine:
 
     def _log_layout(self) -> None:
         """Mesh shape and the bytes of params and KV cache on each device."""
-        mesh = self.plan.mesh
-        params = per_device_bytes(self.runner.params)
-        kv = per_device_bytes(self.runner.kv_cache)
-        self.layout = {
-            "mesh": dict(mesh.shape),
-            "devices": [str(d) for d in mesh.devices.flat],
-            "param_bytes_per_device": params,
-            "kv_cache_bytes_per_device": kv,
-        }
+        self.layout = self.runner.layout()
+        mc = self.config.model_config
         logger.info(
-            "layout: mesh %s; per device: params %s MiB, KV cache %s MiB; attention %s",
-            dict(mesh.shape),
-            {d: round(b / 2**20, 1) for d, b in params.items()},
-            {d: round(b / 2**20, 1) for d, b in kv.items()},
-            self.config.model_config.attention_backend,
+            "layout: mesh %s; per device: params %s MiB, KV cache %s MiB; attention %s, linear %s",
+            self.layout["mesh"],
+            {d: round(b / 2**20, 1) for d, b in self.layout["param_bytes_per_device"].items()},
+            {d: round(b / 2**20, 1) for d, b in self.layout["kv_cache_bytes_per_device"].items()},
+            mc.attention_backend,
+            mc.linear_backend,
         )
 
     @classmethod
@@ -319,11 +276,3 @@ class LLMEngine:
             so.total_num_scheduled_tokens, len(result.sampled), t3 - t0, self.scheduler.stats()
         )
         return outputs
-
-
-def _setup_compilation_cache(path: str) -> None:
-    """Points JAX's persistent compilation cache at `path` ("" leaves it off)."""
-    if not path:
-        return
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)

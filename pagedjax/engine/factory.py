@@ -4,7 +4,8 @@
     data_parallel_size > 1              -> DataParallelEngine (replicas in this process)
     otherwise                           -> LLMEngine
 
-`LLM`, `AsyncLLM` (the server) and the Ray actors all build their engine here.
+`LLM` and `AsyncLLM` (the server) build their engine here; the Ray actors build theirs, in
+their own processes, with the in-process choice (`dp_engine.create_local_engine`).
 """
 
 from __future__ import annotations
@@ -49,10 +50,6 @@ def create_engine(args: EngineArgs | EngineConfig, use_tqdm: bool = True) -> Any
         config = args
         if config.parallel_config.distributed_executor_backend == "ray":
             raise ValueError("the Ray engine is built from EngineArgs, not from an EngineConfig")
-    if config.parallel_config.data_parallel_size > 1:
-        from pagedjax.engine.dp_engine import DataParallelEngine
+    from pagedjax.engine.dp_engine import create_local_engine
 
-        return DataParallelEngine(config, use_tqdm)
-    from pagedjax.engine.engine import LLMEngine
-
-    return LLMEngine(config, use_tqdm)
+    return create_local_engine(config, use_tqdm)

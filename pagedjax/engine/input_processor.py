@@ -12,8 +12,8 @@ from __future__ import annotations
 import dataclasses
 
 from pagedjax.config import ModelConfig
-from pagedjax.engine.input_batch import MAX_BANNED
 from pagedjax.errors import InvalidInputError
+from pagedjax.executor.input_batch import MAX_BANNED
 from pagedjax.inputs import PromptType, parse_prompt
 from pagedjax.sampling_params import SamplingParams
 

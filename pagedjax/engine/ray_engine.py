@@ -39,9 +39,10 @@ class _Worker:
 
     def start(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        from pagedjax.engine.factory import create_engine
+        from pagedjax.engine.dp_engine import create_local_engine
 
-        self.engine = create_engine(EngineArgs.from_kwargs(**kwargs), use_tqdm=False)
+        config = EngineArgs.from_kwargs(**kwargs).create_engine_config()
+        self.engine = create_local_engine(config, use_tqdm=False)
         eng = self.engine
         return {
             "layout": eng.layout,

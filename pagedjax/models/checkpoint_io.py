@@ -65,7 +65,7 @@ def restore_params(
 
     def target(name, shape, leaf_dtype=None):
         sharding = (
-            sharding_for(name) if sharding_for else None
+            sharding_for(name, ndim=len(shape)) if sharding_for else None
         ) or jax.sharding.SingleDeviceSharding(device)
         return jax.ShapeDtypeStruct(shape, jnp.dtype(leaf_dtype or dtype), sharding=sharding)
 

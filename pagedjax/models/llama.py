@@ -187,6 +187,9 @@ _ARCH_FROM_MODEL_TYPE = {
 }
 
 
+ArchConfig = LlamaArchConfig  # the name `models.registry` expects of every model module
+
+
 def param_shapes(cfg: LlamaArchConfig) -> dict[str, Any]:
     """The expected shape of every parameter, as a pytree of tuples (the legend above)."""
     L, D, F, V = cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
@@ -290,7 +293,12 @@ def forward(
     h, kv_cache = decoder_layers(
         params["layers"], kv_cache, h, positions, md, cfg=cfg, attention_backend=attention_backend
     )
-    return rms_norm(h, params["final_norm"], cfg.rms_norm_eps), kv_cache
+    return final_norm(params, h, cfg), kv_cache
+
+
+def final_norm(params: dict[str, Any], h: jax.Array, cfg: LlamaArchConfig) -> jax.Array:
+    """The norm after the last decoder layer. h: [..., D] -> [..., D]."""
+    return rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
 
 
 def decoder_layers(

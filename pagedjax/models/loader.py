@@ -116,7 +116,7 @@ def load_params(
     source: ModelSource,
     cfg: LlamaArchConfig,
     dtype: str = "float32",
-    sharding_for: Callable[[str], Any] | None = None,
+    sharding_for: Callable[..., Any] | None = None,
     quantization: str | None = None,
     kv_cache_dtype: str = "auto",
 ) -> dict[str, Any]:
@@ -126,7 +126,10 @@ def load_params(
         source: from `resolve_model_source`.
         cfg: the source's architecture.
         dtype: "float32", "bfloat16" or "float16"; weights are converted on the host.
-        sharding_for: optional map from a param path ("layers/q_proj") to a jax Sharding.
+        sharding_for: optional `fn(name, leaf=None, ndim=None)` from a param path
+            ("layers/q_proj") to its final jax Sharding (`ShardingPlan.sharding_for`; for a
+            QuantizedWeight leaf, a QuantizedWeight of its fields' shardings): every weight
+            is placed once, with it, as it is read.
         quantization: None, or a method of `ops.choices.QUANTIZATION_METHODS` as
             `resolve_quantization` returns it: the checkpoint's own ("awq", "gptq", "fp8", or a
             saved conversion's), or "int8" / "w8a8" / "fp8" to quantize float weights on load
@@ -160,9 +163,16 @@ def load_params(
             params["layers"] = {
                 k: v for k, v in params["layers"].items() if k not in ("k_scale", "v_scale")
             }
-        return quant.quantize_params(params, on_load) if on_load else params
+        if on_load:  # float params restored: quantize, and place each result where it goes
+            for name in quant.LINEAR_WEIGHTS:
+                if isinstance(params["layers"][name], quant.QuantizedWeight):
+                    continue
+                q = jax.device_get(quant.quantize_weight(params["layers"][name], on_load))
+                sharding = sharding_for("layers/" + name, q) if sharding_for else None
+                params["layers"][name] = quant_loader.place_quantized(q, sharding)
+        return params
     if on_load:
-        place = quant_loader.quantizing_place(place, on_load)
+        place = quant_loader.quantizing_place(place, on_load, sharding_for)
     stack = StackedParams(cfg, np_dtype, place)
     collector = quant_loader.QuantTensorCollector(cfg.num_hidden_layers, ckpt_q, keep_kv_scales)
     if source.kind == "hf":
@@ -175,10 +185,11 @@ def load_params(
     weights, kv_scales = collector.finish()
     quant_loader.check_linear_shapes(weights, stack.shapes["layers"])
     for target, w in weights.items():
-        sharding = sharding_for("layers/" + target) if sharding_for else None
+        sharding = sharding_for("layers/" + target, w) if sharding_for else None
         stack.params["layers"][target] = quant_loader.place_quantized(w, sharding)
     for name, value in kv_scales.items():
-        stack.params["layers"][name] = jax.device_put(value)
+        sharding = sharding_for("layers/" + name) if sharding_for else None
+        stack.params["layers"][name] = jax.device_put(value, sharding)
     return stack.finish(f"checkpoint {source.path!r}")
 
 

@@ -423,30 +423,34 @@ def match_saved_layers(saved: dict, abstract: dict, shapes: dict, method: str | 
             raise ValueError("saved params are quantized, but config.json has no method")
         fields = {
             f: (
-                None if meta.get(f) is None else target("layers/" + k, meta[f].shape, meta[f].dtype)
+                None
+                if meta.get(f) is None
+                else target(f"layers/{k}/{f}", meta[f].shape, meta[f].dtype)
             )
             for f in ("qweight", "scales", "zeros", "perm", "input_scale")
         }
         abstract[k] = QuantizedWeight(**fields, method=method, in_features=shapes[k][1])
 
 
-def quantizing_place(place, method: str):
-    """The loader's `place(name, value)`, then quantization of the decoder's linear weights
-    (`layers/q_proj`, ...) with a quantize-on-load `method`."""
+def quantizing_place(place, method: str, sharding_for=None):
+    """The loader's `place(name, value)`, except for the decoder's linear weights
+    (`layers/q_proj`, ...), which are quantized with a quantize-on-load `method` first and
+    placed once, quantized, with their fields' shardings (`sharding_for(name, leaf)`)."""
 
     def place_and_quantize(name: str, value: np.ndarray):
-        arr = place(name, value)
         if name.startswith("layers/") and name.removeprefix("layers/") in LINEAR_WEIGHTS:
-            return quantize_weight(arr, method)
-        return arr
+            with jax.default_device(jax.devices("cpu")[0]):
+                q = jax.device_get(quantize_weight(value, method))
+            return place_quantized(q, sharding_for(name, q) if sharding_for else None)
+        return place(name, value)
 
     return place_and_quantize
 
 
 def place_quantized(w: QuantizedWeight, sharding=None) -> QuantizedWeight:
-    """Sends a QuantizedWeight of numpy arrays to the device: replicated over the mesh of
-    `sharding` (the float weight's), or the default device. The engine then gives each field
-    its own sharding (`sharding.rules.ShardingPlan.param_shardings`)."""
-    if sharding is not None and hasattr(sharding, "mesh"):
-        sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
-    return jax.tree.map(lambda x: jax.device_put(x, sharding), w)
+    """Sends a QuantizedWeight of host arrays to its devices: `sharding` is a QuantizedWeight
+    of its fields' shardings (`sharding.rules.ShardingPlan.sharding_for`), or None for the
+    default device."""
+    if sharding is None:
+        return jax.tree.map(jax.device_put, w)
+    return jax.tree.map(jax.device_put, w, sharding)

@@ -73,7 +73,7 @@ class SamplingMetadata:
         use_bias: [S] bool, add the slot's bias row.
         slot: [S] int32, the row of `SamplingState` that belongs to this request.
         banned: [S, B] int32 token ids masked this step, -1 for none (B: the packed layout's
-            `engine.input_batch.MAX_BANNED`).
+            `executor.input_batch.MAX_BANNED`).
         counts: [S] bool, the row's sample is real (not a padding or mid-prefill row), so
             it is added to the output counts.
     """

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
-from pagedjax.models import llama
+from pagedjax.models import registry
 from pagedjax.ops.attention import AttentionMetadata
 from pagedjax.sharding.mesh import PIPELINE
 
@@ -62,7 +62,7 @@ def pipeline_decoder(
                 query_tile_size=tile,
                 kv_chunk_pages=chunk_pages,
             )
-            return llama.decoder_layers(
+            return registry.get_model(cfg.architecture).decoder_layers(
                 layers,
                 kv,
                 x,

@@ -18,8 +18,10 @@ number of heads is a multiple of the tensor size, so that no head is cut in two.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
+import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from pagedjax.sharding.mesh import PIPELINE, TENSOR
@@ -68,40 +70,56 @@ class ShardingPlan:
     def kv_cache(self) -> NamedSharding:
         return self.sharding(KV_CACHE_AXES)
 
-    def param_shardings(self, params: dict[str, Any], logical: dict[str, Any]) -> Any:
-        """Shardings for a loaded params pytree, leaf by leaf.
+    def sharding_for(self, logical: dict[str, Any]) -> Callable[..., Any]:
+        """The sharding of each parameter, by its path in the params pytree.
 
-        Float weights follow their logical axes. A quantized weight (`ops.quant.
-        QuantizedWeight`) splits only its output columns: qweight [L, in(/8), out] and the
-        scales / zeros [L, (G,) out] over the out axis; its input rows (packed, grouped or
-        permuted) stay whole, so a row-parallel quantized layer is replicated. Leaves with no
-        logical axes (KV-cache scales) are replicated.
+        Returns `fn(name, leaf=None, ndim=None)`: for "layers/q_proj" (a float weight) the
+        sharding of its logical axes; with `leaf` a `QuantizedWeight`, a QuantizedWeight of
+        the shardings of its fields; for a field path "layers/q_proj/scales" of rank `ndim`,
+        that field's sharding. A quantized weight splits only its output columns: qweight
+        [L, in(/8), out] and the scales / zeros [L, (G,) out] over the out axis; its input
+        rows (packed, grouped or permuted) stay whole, so a row-parallel quantized layer is
+        replicated. Paths with no logical axes (KV-cache scales) are replicated.
         """
         from pagedjax.ops.quant import QuantizedWeight
 
-        def one(axes, leaf):
+        def axes_of(path: list[str]):
+            axes: Any = logical
+            for part in path:
+                axes = axes.get(part) if isinstance(axes, dict) else None
+            return axes
+
+        def field(axes, name: str, ndim: int):
+            if axes is None:
+                return self.replicated()
+            layers, out = axes[0], axes[-1]
+            if name in ("qweight", "scales", "zeros"):
+                return self.sharding((layers,) + (None,) * (ndim - 2) + (out,))
+            return self.sharding((layers,) + (None,) * (ndim - 1))  # perm, input_scale
+
+        def fn(name: str, leaf: Any = None, ndim: int | None = None):
+            path = name.split("/")
             if isinstance(leaf, QuantizedWeight):
-                layers, out = axes[0], axes[-1]
-                return QuantizedWeight(
-                    qweight=self.sharding((layers, None, out)),
-                    scales=self.sharding((layers,) + (None,) * (leaf.scales.ndim - 2) + (out,)),
-                    zeros=None
-                    if leaf.zeros is None
-                    else self.sharding((layers,) + (None,) * (leaf.zeros.ndim - 2) + (out,)),
-                    perm=None if leaf.perm is None else self.sharding((layers, None)),
-                    input_scale=None if leaf.input_scale is None else self.sharding((layers,)),
-                    method=leaf.method,
-                    in_features=leaf.in_features,
+                axes = axes_of(path)
+                return jax.tree.map(
+                    lambda f, x: field(axes, f, x.ndim),
+                    QuantizedWeight(
+                        qweight="qweight",
+                        scales="scales",
+                        zeros=None if leaf.zeros is None else "zeros",
+                        perm=None if leaf.perm is None else "perm",
+                        input_scale=None if leaf.input_scale is None else "input_scale",
+                        method=leaf.method,
+                        in_features=leaf.in_features,
+                    ),
+                    leaf,
                 )
+            axes = axes_of(path)
+            if axes is None and len(path) == 3 and ndim is not None:  # a quantized field
+                return field(axes_of(path[:2]), path[2], ndim)
             return self.sharding(axes) if axes is not None else self.replicated()
 
-        out: dict[str, Any] = {}
-        for key, value in params.items():
-            if key == "layers":
-                out[key] = {k: one(logical["layers"].get(k), v) for k, v in value.items()}
-            else:
-                out[key] = one(logical.get(key), value)
-        return out
+        return fn
 
 
 def per_device_bytes(tree: Any) -> dict[str, int]:

@@ -4,7 +4,7 @@ It keeps, per request in the batch, only row bookkeeping (its `RequestSpec`, blo
 slot of the device `SamplingState`); the scheduler owns the request's tokens and progress and
 sends each step's token ids and counts (`engine.interface`). It builds each step's padded
 inputs with `BatchBuilder`, and calls one ahead-of-time compiled executable per token
-bucket (`engine.step_fn.step`). Every bucket is compiled at warm-up; a step whose shape has no
+bucket (`executor.step.step`). Every bucket is compiled at warm-up; a step whose shape has no
 executable raises instead of compiling (after warm-up a compile is a bug), and
 `compile_count()` counts every XLA compilation of the process, so tests can assert none happen.
 
@@ -14,7 +14,6 @@ The host buffer of a bucket is reused by the next step of that bucket; this is s
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import time
@@ -26,17 +25,15 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from pagedjax.config import CPU_DEFAULT_KV_CACHE_BYTES, EngineConfig
-from pagedjax.engine import step_fn
-from pagedjax.engine.input_batch import BatchBuilder, SeqInput
 from pagedjax.engine.interface import (
     ModelRunnerOutput,
-    NewRequestData,
     PromptLogprobs,
-    RequestSpec,
     SampledToken,
-    ScheduledSeq,
     SchedulerOutput,
 )
+from pagedjax.executor import step as step_fn
+from pagedjax.executor.input_batch import BatchBuilder, SeqInput
+from pagedjax.executor.request_state import RequestState, bias_row
 from pagedjax.ops.kv_cache import (
     KVCache,
     init_kv_cache,
@@ -45,7 +42,7 @@ from pagedjax.ops.kv_cache import (
     kv_cache_shape,
 )
 from pagedjax.ops.sampling import init_sampling_state, init_state_rows, set_bias_rows
-from pagedjax.sharding.rules import ShardingPlan
+from pagedjax.sharding.rules import ShardingPlan, per_device_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -70,18 +67,6 @@ jax.monitoring.register_event_duration_secs_listener(_count_compiles)
 def compile_count() -> int:
     """Number of XLA backend compilations in this process so far."""
     return _compile_events
-
-
-@dataclasses.dataclass
-class _RequestState:
-    """The runner's row bookkeeping for one request in the batch: its spec, its block table,
-    its slot of the device sampling state and the sampling fields of its row."""
-
-    spec: RequestSpec
-    block_ids: list[int]
-    slot: int
-    row: dict[str, Any]  # the SeqInput sampling fields that do not change
-    bad_words: list[tuple[int, ...]]  # multi-token bad words
 
 
 class ModelRunner:
@@ -146,7 +131,7 @@ class ModelRunner:
         self._ops: dict[str, Any] = {}
         self.host_cache: np.ndarray | None = None  # [2, L, num_host_blocks + 1, bs, K, H]
         self.num_host_blocks = 0
-        self.requests: dict[str, _RequestState] = {}
+        self.requests: dict[str, RequestState] = {}
         self._free_slots = list(range(self.num_slots - 2, -1, -1))
 
     # ----------------------------------------------------------------- memory
@@ -232,6 +217,22 @@ class ModelRunner:
             host_shape = (2, a.num_hidden_layers, num_host_blocks + 1, *shape[2:])
             self.host_cache = np.zeros(host_shape, self.kv_dtype)
 
+    @property
+    def platform(self) -> str:
+        """The devices' platform ("cpu", "gpu", ...)."""
+        return self.plan.mesh.devices.flat[0].platform
+
+    def layout(self) -> dict[str, Any]:
+        """The mesh shape, its devices, and the bytes of params and KV cache on each device
+        (device id as a string)."""
+        mesh = self.plan.mesh
+        return {
+            "mesh": dict(mesh.shape),
+            "devices": [str(d) for d in mesh.devices.flat],
+            "param_bytes_per_device": per_device_bytes(self.params),
+            "kv_cache_bytes_per_device": per_device_bytes(self.kv_cache),
+        }
+
     # ----------------------------------------------------------------- compilation
 
     def _layout_key(self, T: int) -> int:
@@ -309,40 +310,18 @@ class ModelRunner:
         if st is not None:
             self._free_slots.append(st.slot)
 
-    def _add(self, new: NewRequestData) -> _RequestState:
-        spec = new.spec
-        st = _RequestState(
-            spec=spec,
-            block_ids=list(new.block_ids),
-            slot=self._free_slots.pop(),
-            row=dict(
-                temperature=spec.temperature,
-                top_p=spec.top_p,
-                top_k=spec.top_k,
-                min_p=spec.min_p,
-                seed=spec.seed,
-                repetition_penalty=spec.repetition_penalty,
-                presence_penalty=spec.presence_penalty,
-                frequency_penalty=spec.frequency_penalty,
-                use_bias=_has_bias(spec),
-                want_logprobs=spec.logprobs is not None,
-            ),
-            bad_words=[w for w in spec.bad_words if len(w) > 1],
-        )
-        self.requests[new.req_id] = st
-        return st
-
     def _update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids | so.preempted_req_ids:
             self._drop(req_id)
         inits, biases = [], []
         for new in so.scheduled_new_reqs:
             self._drop(new.req_id)
-            st = self._add(new)
+            st = RequestState.new(new, self._free_slots.pop())
+            self.requests[new.req_id] = st
             if new.spec.has_penalties:
                 inits.append((st, new.token_ids))
             if st.row["use_bias"]:
-                biases.append((st.slot, _bias_row(new.spec, self.arch.vocab_size)))
+                biases.append((st.slot, bias_row(new.spec, self.arch.vocab_size)))
         for cached in so.scheduled_cached_reqs:
             st = self.requests[cached.req_id]
             for index, block in cached.replaced_block_ids:
@@ -358,7 +337,7 @@ class ModelRunner:
                 slots[j], rows[j] = slot, bias
             self.sampling_state = self._ops["bias_rows"](self.sampling_state, slots, rows)
 
-    def _init_state_rows(self, states: list[tuple[_RequestState, tuple[int, ...]]]) -> None:
+    def _init_state_rows(self, states: list[tuple[RequestState, tuple[int, ...]]]) -> None:
         """Fills the penalty rows (prompt mask, output counts) of requests entering the batch,
         from every token each knows."""
         R, C = STATE_INIT_ROWS, STATE_INIT_TOKENS
@@ -382,35 +361,6 @@ class ModelRunner:
 
     # ----------------------------------------------------------------- steps
 
-    def _seq_input(self, st: _RequestState, seq: ScheduledSeq) -> SeqInput:
-        spec, start, n = st.spec, seq.num_computed_tokens, len(seq.token_ids)
-        banned: list[int] = []
-        if seq.samples:
-            if seq.num_output_tokens < spec.min_tokens:
-                banned.extend(spec.stop_token_ids)
-            recent = seq.recent_output_ids
-            for word in st.bad_words:
-                k = len(word) - 1
-                if len(recent) >= k and recent[len(recent) - k :] == word[:-1]:
-                    banned.append(word[-1])
-        targets = None
-        P = spec.num_prompt_tokens
-        if spec.prompt_logprobs is not None and start + 1 < P:
-            nxt = np.arange(start + 1, start + n + 1)
-            prompt = np.asarray(spec.prompt_token_ids, np.int32)
-            targets = np.where(nxt < P, prompt[np.minimum(nxt, P - 1)], -1)
-        return SeqInput(
-            token_ids=np.asarray(seq.token_ids, np.int32),
-            start=start,
-            block_ids=np.asarray(st.block_ids, np.int32),
-            token_index=seq.num_output_tokens,
-            slot=st.slot,
-            counts=seq.samples,
-            banned=tuple(dict.fromkeys(banned)),
-            prompt_targets=targets,
-            **st.row,
-        )
-
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """Runs one step. Returns the tokens sampled for every scheduled request that samples
         (`ScheduledSeq.samples`), and the prompt logprobs computed this step."""
@@ -419,7 +369,7 @@ class ModelRunner:
         self._apply_block_ops(so)
         if not so.scheduled:
             return ModelRunnerOutput({}, {}, prepare_s=time.perf_counter() - t0)
-        seqs = [self._seq_input(self.requests[s.req_id], s) for s in so.scheduled]
+        seqs = [self.requests[s.req_id].seq_input(s) for s in so.scheduled]
         batch = self.builder.build_step(seqs, self.num_microbatches)
         exe = self._executables.get(batch.layout.num_tokens)
         if exe is None:
@@ -470,24 +420,3 @@ class ModelRunner:
                 for r_ids, r_lps in zip(ids, lps, strict=True)
             ],
         )
-
-
-def _has_bias(spec: RequestSpec) -> bool:
-    return bool(
-        spec.logit_bias
-        or spec.allowed_token_ids is not None
-        or any(len(w) == 1 for w in spec.bad_words)
-    )
-
-
-def _bias_row(spec: RequestSpec, vocab: int) -> np.ndarray:
-    """[V] float32 additive bias of a request: logit_bias, -inf outside allowed_token_ids,
-    -inf for single-token bad words."""
-    row = np.zeros(vocab, np.float32)
-    if spec.allowed_token_ids is not None:
-        row[:] = -np.inf
-        row[list(spec.allowed_token_ids)] = 0.0
-    for tok, b in spec.logit_bias:
-        row[tok] += b
-    row[[w[0] for w in spec.bad_words if len(w) == 1]] = -np.inf
-    return row

@@ -4,7 +4,7 @@ sampling-state operations around it.
     step(params, kv_cache, sampling_state, packed) ->
         (StepOutput, kv_cache, sampling_state)
 
-`packed` is the step's one int32 host buffer (`engine.input_batch.PackedLayout`); the KV cache
+`packed` is the step's one int32 host buffer (`executor.input_batch.PackedLayout`); the KV cache
 and the sampling state are donated so that they are updated in place. Logits never leave the
 device: the sampler runs inside the step and only ids, logprobs and the requested top-k
 alternatives come back.
@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from pagedjax.engine.input_batch import PackedLayout
-from pagedjax.models import llama
+from pagedjax.executor.input_batch import PackedLayout
+from pagedjax.models import registry
 from pagedjax.ops.attention import METADATA_FIELDS, AttentionMetadata
 from pagedjax.ops.sampling import (
     SamplerOutput,
@@ -71,8 +71,9 @@ def step(
     With `num_microbatches` M > 0 (pipeline parallelism), `packed` is [M, layout.size], one
     micro-batch per row, run through `sharding.pipeline.pipeline_decoder` on `mesh`; the
     sampler then sees the M x S rows of all micro-batches, and prompt logprobs the M x T
-    tokens, in micro-batch order.
+    tokens, in micro-batch order. The model is the registry's for `cfg.architecture`.
     """
+    model = registry.get_model(cfg.architecture)
     if num_microbatches:
         parts = [layout.unpack(packed[m]) for m in range(num_microbatches)]
         md = {k: jnp.stack([a[k] for a in parts]) for k in METADATA_FIELDS}
@@ -88,14 +89,14 @@ def step(
             tile=tile,
             chunk_pages=chunk_pages,
         )
-        hidden = llama.rms_norm(h, params["final_norm"], cfg.rms_norm_eps)  # [M, Tm, D]
+        hidden = model.final_norm(params, h, cfg)  # [M, Tm, D]
         rows = jnp.concatenate([hidden[m][a["logits_indices"]] for m, a in enumerate(parts)])
         hidden = hidden.reshape(-1, hidden.shape[-1])  # [M * Tm, D]
     else:
         parts = [layout.unpack(packed)]
         a = parts[0]
         md = AttentionMetadata.from_arrays(a, query_tile_size=tile, kv_chunk_pages=chunk_pages)
-        hidden, kv_cache = llama.forward(
+        hidden, kv_cache = model.forward(
             params,
             kv_cache,
             a["input_ids"],
@@ -106,10 +107,10 @@ def step(
         )  # [T, D]
         rows = hidden[a["logits_indices"]]  # [S, D]
     if num_microbatches:
-        logits = llama.compute_logits(params, rows)  # [M * S, V]: rows of M parts interleave
+        logits = model.compute_logits(params, rows)  # [M * S, V]: rows of M parts interleave
     else:
         num_rows = jnp.sum(parts[0]["seq_lens"] > 0)  # the real rows come first
-        logits = _logits_of_rows(params, rows, num_rows, cfg.vocab_size)  # [S, V]
+        logits = _logits_of_rows(model, params, rows, num_rows, cfg.vocab_size)  # [S, V]
 
     def cat(name):
         return jnp.concatenate([a[name] for a in parts])
@@ -140,7 +141,7 @@ def step(
 
     def with_prompt():
         return prompt_logprobs(
-            functools.partial(llama.compute_logits, params),
+            functools.partial(model.compute_logits, params),
             hidden,
             cat("prompt_targets"),
             max_logprobs=k,
@@ -159,8 +160,8 @@ def step(
     return StepOutput(sampled, plp, prank, pids, plps), kv_cache, sampling_state
 
 
-def _logits_of_rows(params, rows, num_rows, V: int):
-    """LM head (`llama.compute_logits`, one `ops.linear.linear` call per block) of the first
+def _logits_of_rows(model, params, rows, num_rows, V: int):
+    """LM head (`model.compute_logits`, one `ops.linear.linear` call per block) of the first
     `num_rows` of `rows` [S, D] -> [S, V] float32, in blocks of LOGITS_ROW_BLOCK rows up to
     num_rows: a prefill step of a few long prompts has a large S but few rows to sample.
     Rows past num_rows are zeros, except for a plain (not pre-packed) head when
@@ -168,14 +169,14 @@ def _logits_of_rows(params, rows, num_rows, V: int):
     S = rows.shape[0]
     R = LOGITS_ROW_BLOCK
     if S <= R:
-        return llama.compute_logits(params, rows, num_rows)
+        return model.compute_logits(params, rows, num_rows)
     pad = -(-S // R) * R - S
     rows = jnp.pad(rows, ((0, pad), (0, 0)))
 
     def block(b, out):
         x = jax.lax.dynamic_slice_in_dim(rows, b * R, R)
         return jax.lax.dynamic_update_slice_in_dim(
-            out, llama.compute_logits(params, x, num_rows - b * R), b * R, axis=0
+            out, model.compute_logits(params, x, num_rows - b * R), b * R, axis=0
         )
 
     out = jnp.zeros((S + pad, V), jnp.float32)

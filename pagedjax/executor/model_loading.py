@@ -1,0 +1,78 @@
+"""Loading a model replica onto its devices: tokenizer, sharding plan and params.
+
+`load_model` reads the checkpoint (converting a GGUF file once), builds the replica's
+`ShardingPlan` from the model's logical axes (`models.registry`), and places every weight on
+its devices once, as it is read (`models.loader.load_params` with the plan's shardings). With
+`linear_backend="cpu"` the float32 linear weights are then pre-packed for the native matmul.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import jax
+
+from pagedjax.config import EngineConfig
+from pagedjax.models import loader, registry
+from pagedjax.ops import cpu_linear
+from pagedjax.sharding.mesh import device_grid, replica_mesh
+from pagedjax.sharding.rules import ShardingPlan
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    """A replica's tokenizer (None with skip_tokenizer_init), sharding plan, params on its
+    devices, and the seconds loading took."""
+
+    tokenizer: Any
+    plan: ShardingPlan
+    params: dict[str, Any]
+    load_s: float
+
+
+def setup_compilation_cache(path: str) -> None:
+    """Points JAX's persistent compilation cache at `path` ("" leaves it off)."""
+    if not path:
+        return
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+def load_model(config: EngineConfig, devices=None) -> LoadedModel:
+    """Loads the model of `config` onto `devices`.
+
+    Args:
+        config: the engine config.
+        devices: the replica's devices as a [pipeline, tensor] array (default: the first
+            pipeline_parallel_size x tensor_parallel_size devices).
+
+    Raises:
+        ValueError: a missing or malformed checkpoint, or an unsupported architecture.
+    """
+    mc, cc, pc = config.model_config, config.cache_config, config.parallel_config
+    setup_compilation_cache(config.compilation_cache_dir)
+    t0 = time.perf_counter()
+    source = loader.ModelSource(mc.source_kind, mc.source_path)
+    if source.kind == "gguf":
+        source = loader.converted_gguf_source(source, mc.download_dir)
+    tokenizer = None if mc.skip_tokenizer_init else loader.load_tokenizer(source, mc.tokenizer)
+    if devices is None:
+        devices = device_grid(jax.devices(), 1, pc.pipeline_parallel_size, pc.tensor_parallel_size)[
+            0
+        ]
+    model = registry.get_model(mc.arch.architecture)
+    plan = ShardingPlan(replica_mesh(devices), model.logical_unit_counts(mc.arch))
+    logical = model.param_logical_axes(mc.arch)
+    params = loader.load_params(
+        source,
+        mc.arch,
+        mc.dtype,
+        sharding_for=plan.sharding_for(logical),
+        quantization=mc.quantization,
+        kv_cache_dtype=cc.kv_cache_dtype,
+    )
+    if mc.linear_backend == "cpu":  # the native matmul's panel layout, packed once
+        params = cpu_linear.pack_params(params)
+    return LoadedModel(tokenizer, plan, params, time.perf_counter() - t0)
