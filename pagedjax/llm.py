@@ -40,6 +40,11 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def reset_prefix_cache(self) -> bool:
+        """Forgets the prefix cache (vLLM's `LLM.reset_prefix_cache`), e.g. between benchmark
+        runs. Only possible while no request holds blocks; returns whether it was done."""
+        return self.llm_engine.reset_prefix_cache()
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],

@@ -253,3 +253,21 @@ def test_step_timing_splits_the_step(llm16, prompts8):
         assert min(parts) >= 0 and sum(parts) <= t.total_s * 1.001 + 1e-6
         assert t.device_s > 0 and t.bucket >= t.num_scheduled_tokens > 0
     assert not eng.has_unfinished_requests()
+
+
+def test_reset_prefix_cache_forgets_cached_blocks_only_when_idle(llm16, prompts8, hf_greedy_cache):
+    prompt = {"prompt_token_ids": prompts8[6]}  # 2 full blocks of 16 or more
+    assert len(prompts8[6]) > 32
+    llm16.generate(prompt, GREEDY, use_tqdm=False)
+    again = llm16.generate(prompt, GREEDY, use_tqdm=False)[0]
+    assert again.num_cached_tokens >= 32
+    eng = llm16.llm_engine
+    eng.add_request("busy", prompt, GREEDY)
+    eng.step()
+    assert llm16.reset_prefix_cache() is False  # a request holds blocks
+    eng.abort_request("busy")
+    assert llm16.reset_prefix_cache() is True
+    fresh = llm16.generate(prompt, GREEDY, use_tqdm=False)[0]
+    assert fresh.num_cached_tokens == 0
+    assert fresh.outputs[0].token_ids == hf_greedy_cache(prompts8[6], 10)
+    _assert_idle_and_whole(llm16)

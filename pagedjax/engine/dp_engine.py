@@ -76,6 +76,10 @@ class DataParallelEngine:
     def has_unfinished_requests(self) -> bool:
         return any(r.has_unfinished_requests() for r in self.replicas)
 
+    def reset_prefix_cache(self) -> bool:
+        """Resets every replica's prefix cache; True if all of them did."""
+        return all([r.reset_prefix_cache() for r in self.replicas])
+
     def get_num_unfinished_requests(self) -> int:
         return sum(r.get_num_unfinished_requests() for r in self.replicas)
 

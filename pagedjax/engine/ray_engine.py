@@ -106,6 +106,10 @@ class RayEngine:
     def _all(self, method: str, *args):
         return self._ray.get([a.call.remote(method, *args) for a in self.actors])
 
+    def reset_prefix_cache(self) -> bool:
+        """Resets every actor's prefix cache; True if all of them did."""
+        return all(self._all("reset_prefix_cache"))
+
     def prompt_token_ids(self, prompt) -> list[int]:
         return self._ray.get(self.actors[0].call.remote("prompt_token_ids", prompt))
 
