@@ -96,15 +96,7 @@ def resolve_engine_config(args) -> EngineConfig:
     from pagedjax.ops import cpu_kernels
 
     if backend == "cpu":
-        if not (on_cpu and one_device):
-            raise ValueError(
-                "attention_backend 'cpu' runs on one CPU device (no tensor, pipeline or "
-                "data parallelism, one process); use 'xla'"
-            )
-        if not cpu_kernels.available():
-            raise ValueError(
-                f"attention_backend 'cpu' is unavailable: {cpu_kernels.unavailable_reason()}"
-            )
+        _check_native("attention_backend", on_cpu and one_device)
     if backend == "auto":
         backend = "xla" if on_cpu else "pallas"
         if on_cpu and one_device and cpu_kernels.available():
@@ -118,15 +110,7 @@ def resolve_engine_config(args) -> EngineConfig:
                 backend = "xla"
     linear_backend = args.linear_backend
     if linear_backend == "cpu":
-        if not (on_cpu and one_device):
-            raise ValueError(
-                "linear_backend 'cpu' runs on one CPU device (no tensor, pipeline or "
-                "data parallelism, one process); use 'xla'"
-            )
-        if not cpu_kernels.available():
-            raise ValueError(
-                f"linear_backend 'cpu' is unavailable: {cpu_kernels.unavailable_reason()}"
-            )
+        _check_native("linear_backend", on_cpu and one_device)
     if linear_backend == "auto":
         linear_backend = "cpu" if on_cpu and one_device and cpu_kernels.available() else "xla"
     default_tokens = (
@@ -193,3 +177,20 @@ def resolve_engine_config(args) -> EngineConfig:
         compilation_cache_dir=cache_dir,
         log_stats=not args.disable_log_stats,
     )
+
+
+def _check_native(field: str, on_one_cpu_device: bool) -> None:
+    """An explicit "cpu" backend (`field`) needs one CPU device and the native kernels.
+
+    Raises:
+        ValueError: naming `field`, when either is missing.
+    """
+    from pagedjax.ops import cpu_kernels
+
+    if not on_one_cpu_device:
+        raise ValueError(
+            f"{field} 'cpu' runs on one CPU device (no tensor, pipeline or data parallelism, "
+            "one process); use 'xla'"
+        )
+    if not cpu_kernels.available():
+        raise ValueError(f"{field} 'cpu' is unavailable: {cpu_kernels.unavailable_reason()}")
