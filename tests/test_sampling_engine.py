@@ -375,3 +375,20 @@ def test_seeds_differing_above_bit_31_sample_differently_and_each_repeats(llm, p
     assert _ids(batch[1]) == high
     assert _ids(batch[3]) == low
 
+
+def test_seed_minus_one_means_no_seed(llm, prompts8):
+    """vLLM: seed=-1 is no seed, so two such requests draw differently; seed=7 repeats."""
+    from pagedjax.server.protocol import ChatCompletionRequest, CompletionRequest
+
+    assert SamplingParams(seed=-1).seed is None
+    assert CompletionRequest(prompt="x", seed=-1).to_sampling_params().seed is None
+    chat = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], seed=-1)
+    assert chat.to_sampling_params().seed is None
+    p = {"prompt_token_ids": prompts8[6]}
+
+    def run(seed):
+        sp = SamplingParams(temperature=1.0, max_tokens=16, seed=seed, ignore_eos=True)
+        return _ids(llm.generate(p, sp, use_tqdm=False)[0])
+
+    assert run(-1) != run(-1)
+    assert run(7) == run(7)
