@@ -39,7 +39,9 @@ class SamplingParams:
         top_p: (0, 1]; nucleus sampling mass; 1 disables.
         top_k: 0 or -1 disables; else keep the k most likely tokens.
         min_p: [0, 1]; drop tokens less likely than min_p times the most likely one.
-        seed: per-request seed; same seed, same draws, whatever the batch.
+        seed: per-request seed, any int (all 64 bits of it, modulo 2**64, reach the
+            sampler); same seed, same draws, whatever the batch. None or -1: no seed (the
+            engine draws one).
         stop: strings that end the output (not included unless include_stop_str_in_output).
         stop_token_ids: token ids that end the output (the token is kept in token_ids).
         bad_words: words never to generate.
@@ -86,6 +88,8 @@ class SamplingParams:
     extra_args: dict[str, Any] | None = None
 
     def __post_init__(self):
+        if self.seed == -1:  # vLLM: -1 means no seed
+            self.seed = None
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])

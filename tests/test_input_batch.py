@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pagedjax.executor.input_batch import BatchBuilder, SeqInput, token_buckets
+from pagedjax.executor.input_batch import BatchBuilder, SeqInput, split_seed, token_buckets
 
 
 def test_token_buckets():
@@ -66,7 +66,28 @@ def test_hand_computed_step():
     np.testing.assert_allclose(v["temperature"].view(np.float32), [0.0, 0.7, 0.0, 0.0])
     np.testing.assert_allclose(v["top_p"].view(np.float32), [1.0, 0.9, 1.0, 1.0])
     np.testing.assert_array_equal(v["top_k"], [0, 4, 0, 0])
-    np.testing.assert_array_equal(v["seed"], [1, 5, 0, 0])  # the low 32 bits
+    np.testing.assert_array_equal(v["seed_lo"], [1, 5, 0, 0])
+    np.testing.assert_array_equal(v["seed_hi"], [0, 2**8, 0, 0])
+
+
+def _packed_seeds(seeds):
+    b = BatchBuilder(max_num_batched_tokens=16, max_num_seqs=4, max_model_len=64, block_size=4)
+    seqs = [SeqInput(np.array([1], np.int32), 0, np.array([1], np.int32), seed=s) for s in seeds]
+    layout, buf = b.build(seqs)
+    v = layout.views(buf)
+    n = len(seeds)
+    lo = v["seed_lo"][:n].view(np.uint32).astype(np.uint64)
+    hi = v["seed_hi"][:n].view(np.uint32).astype(np.uint64)
+    return [int(x) for x in (hi << np.uint64(32)) | lo]
+
+
+def test_seed_travels_as_two_words_that_round_trip():
+    seeds = [0, 2**32 + 5, 2**64 - 1, 5]
+    assert _packed_seeds(seeds) == seeds
+    # Any int, taken modulo 2**64 (vLLM's seeds): negative ones and ones above 2**64 wrap.
+    assert _packed_seeds([-2, 2**64 + 3, 2**70 + 2**33]) == [2**64 - 2, 3, 2**33]
+    assert split_seed(2**32 + 5) == (5, 1)
+    assert split_seed(2**64 - 1) == (-1, -1)
 
 
 def test_buffer_reuse_clears_the_previous_step():

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pagedjax.executor.input_batch import MAX_BANNED
+from pagedjax.executor.input_batch import MAX_BANNED, split_seed
 from pagedjax.ops.sampling import (
     SamplingMetadata,
     apply_min_p,
@@ -84,12 +84,15 @@ def _meta(
     def col(x, dtype):
         return jnp.broadcast_to(jnp.asarray(x, dtype), (S,))
 
+    seeds = np.broadcast_to(np.asarray(np.arange(S) if seed is None else seed, object), (S,))
+    words = np.asarray([split_seed(int(x)) for x in seeds], np.int32)
     return SamplingMetadata(
         temperature=col(temperature, jnp.float32),
         top_p=col(top_p, jnp.float32),
         top_k=col(top_k, jnp.int32),
         min_p=col(min_p, jnp.float32),
-        seed=col(np.arange(S) if seed is None else seed, jnp.int32),
+        seed_lo=col(words[:, 0], jnp.int32),
+        seed_hi=col(words[:, 1], jnp.int32),
         token_index=col(0 if token_index is None else token_index, jnp.int32),
         repetition_penalty=col(repetition_penalty, jnp.float32),
         presence_penalty=col(presence_penalty, jnp.float32),
@@ -140,6 +143,17 @@ def test_seeded_draw_depends_on_seed_and_index_only():
     other = jnp.asarray(rng.standard_normal((3, 64)).astype(np.float32)).at[1].set(logits[2])
     ids2, _ = _sample(other, _meta(3, seed=[99, 13, 7], token_index=[1, 9, 4]))
     assert int(ids2[1]) == int(ids[2])
+
+
+def test_seeds_that_differ_above_bit_31_draw_differently():
+    """All 64 bits of the seed reach the key: 5 and 5 + 2**32 (same low word) differ."""
+    S = 16
+    logits = jnp.zeros((S, 1000), jnp.float32)  # uniform: the draw is the key's alone
+    ids_a, _ = _sample(logits, _meta(S, seed=5, token_index=np.arange(S)))
+    ids_b, _ = _sample(logits, _meta(S, seed=5 + 2**32, token_index=np.arange(S)))
+    ids_a2, _ = _sample(logits, _meta(S, seed=5, token_index=np.arange(S)))
+    np.testing.assert_array_equal(ids_a, ids_a2)
+    assert np.sum(np.asarray(ids_a) != np.asarray(ids_b)) > S // 2
 
 
 def test_draws_follow_the_distribution():

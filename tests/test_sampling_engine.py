@@ -346,3 +346,49 @@ def test_streamed_text_holds_back_a_possible_stop_string(llm):
     d2 = IncrementalDetokenizer(tok, [5], SamplingParams(stop=["STOP!"]))
     assert d2.update(tok("a STOP! b", add_special_tokens=False).input_ids) == "STOP!"
     assert d2.get_text(True, False) == "a "
+
+
+def test_seeds_differing_above_bit_31_sample_differently_and_each_repeats(llm, prompts8):
+    """All 64 bits of a seed count: 5 and 5 + 2**32 share their low 32 bits but draw
+    differently; each draws the same tokens alone and inside a batch of other requests."""
+    p = {"prompt_token_ids": prompts8[1]}
+
+    def params(seed):
+        return SamplingParams(temperature=1.0, max_tokens=8, seed=seed, ignore_eos=True)
+
+    low = _ids(llm.generate(p, params(5), use_tqdm=False)[0])
+    high = _ids(llm.generate(p, params(5 + 2**32), use_tqdm=False)[0])
+    assert low != high
+    others = [{"prompt_token_ids": q} for q in prompts8[2:6]]
+    batch = llm.generate(
+        [others[0], p, others[1], p, *others[2:]],
+        [
+            SamplingParams(temperature=1.0, max_tokens=5, seed=9),
+            params(5 + 2**32),
+            SamplingParams(temperature=0.7, max_tokens=6),
+            params(5),
+            SamplingParams(temperature=0, max_tokens=3),
+            SamplingParams(temperature=1.0, max_tokens=7),
+        ],
+        use_tqdm=False,
+    )
+    assert _ids(batch[1]) == high
+    assert _ids(batch[3]) == low
+
+
+def test_seed_minus_one_means_no_seed(llm, prompts8):
+    """vLLM: seed=-1 is no seed, so two such requests draw differently; seed=7 repeats."""
+    from pagedjax.server.protocol import ChatCompletionRequest, CompletionRequest
+
+    assert SamplingParams(seed=-1).seed is None
+    assert CompletionRequest(prompt="x", seed=-1).to_sampling_params().seed is None
+    chat = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], seed=-1)
+    assert chat.to_sampling_params().seed is None
+    p = {"prompt_token_ids": prompts8[6]}
+
+    def run(seed):
+        sp = SamplingParams(temperature=1.0, max_tokens=16, seed=seed, ignore_eos=True)
+        return _ids(llm.generate(p, sp, use_tqdm=False)[0])
+
+    assert run(-1) != run(-1)
+    assert run(7) == run(7)

@@ -25,7 +25,8 @@ SAMPLING_ROW_FIELDS = (
     "top_p",
     "top_k",
     "min_p",
-    "seed",
+    "seed_lo",
+    "seed_hi",
     "token_index",
     "repetition_penalty",
     "presence_penalty",
@@ -39,6 +40,18 @@ FLOAT_FIELDS = frozenset(
 )
 # Values of padding rows: greedy, nothing applied, the scratch slot (set by the builder).
 _ROW_DEFAULTS = {"top_p": 1.0, "repetition_penalty": 1.0}
+
+
+def split_seed(seed: int) -> tuple[int, int]:
+    """A request's seed as the int32 bits of its low and high 32-bit words.
+
+    The seed is taken modulo 2**64 (vLLM's seeds are any int; negative ones wrap), so every
+    bit of a 64-bit seed reaches the sampler: seeds that differ only above bit 31 draw
+    differently.
+    """
+    seed %= 2**64
+    lo, hi = np.asarray([seed & 0xFFFFFFFF, seed >> 32], np.uint32).view(np.int32).tolist()
+    return lo, hi
 
 
 def token_buckets(max_num_batched_tokens: int, min_bucket: int = MIN_TOKEN_BUCKET) -> list[int]:
@@ -136,6 +149,8 @@ class SeqInput:
     block_ids: [>= ceil((start + n) / block_size)] int32 the sequence's block table.
     temperature ... counts: the sampling row (see ops.sampling.SamplingMetadata); `counts`
         says whether the row's sample is real (the step reaches the sequence's last token).
+        `seed` is any int, taken modulo 2**64 and packed as two int32 words, `seed_lo` and
+        `seed_hi` (see `split_seed`).
     banned: token ids masked this step (at most MAX_BANNED).
     prompt_targets: [n] int32 or None; for prompt logprobs, the prompt token each scheduled
         position predicts (-1 where none).
@@ -314,6 +329,7 @@ class BatchBuilder:
             v["tile_q_len"][: len(tiles)] = arr[:, 2]
             v["tile_kv_len"][: len(tiles)] = arr[:, 3]
         v["num_tiles"][...] = len(tiles)
+        seed_words = np.asarray([split_seed(s.seed) for s in seqs], np.int32).reshape(-1, 2)
         for name in SAMPLING_ROW_FIELDS:
             col = v[name]
             if name in FLOAT_FIELDS:
@@ -321,10 +337,8 @@ class BatchBuilder:
                     np.int32
                 )
                 col[n_seqs:] = np.float32(_ROW_DEFAULTS.get(name, 0.0)).view(np.int32)
-            elif name == "seed":
-                col[:n_seqs] = np.asarray([s.seed & 0xFFFFFFFF for s in seqs], np.uint32).view(
-                    np.int32
-                )
+            elif name in ("seed_lo", "seed_hi"):
+                col[:n_seqs] = seed_words[:, 0 if name == "seed_lo" else 1]
             else:
                 col[:n_seqs] = [int(getattr(s, name)) for s in seqs]
         v["slot"][n_seqs:] = self.scratch_slot

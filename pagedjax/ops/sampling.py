@@ -11,9 +11,10 @@ Order of operations (that of vLLM's v1 sampler):
     3. greedy rows (temperature < 1e-5) take the argmax here;
     4. temperature, then min_p (drop tokens less likely than min_p x the most likely one),
        then top-k, then top-p (Holtzman et al., 2020) on the scaled distribution;
-    5. a Gumbel-max draw with a key derived from the request's seed and the index of the token
-       being drawn (`fold_in(PRNGKey(seed), index)`), so a seeded request draws the same tokens
-       whatever else is in the batch and in whichever step.
+    5. a Gumbel-max draw with a key derived from the request's 64-bit seed (its low and high
+       32-bit words) and the index of the token being drawn
+       (`fold_in(fold_in(PRNGKey(seed_lo), seed_hi), index)`), so a seeded request draws the
+       same tokens whatever else is in the batch and in whichever step.
 Logprobs (the sampled token's, its rank, and the top `max_logprobs` alternatives) are those of
 the raw model distribution, `log_softmax(logits)`, as vLLM returns by default; they are
 computed only in steps where a request asked for them (`SamplingParams.logprobs` not None).
@@ -67,7 +68,8 @@ class SamplingMetadata:
         top_p: [S] float32 in (0, 1]; 1 disables.
         top_k: [S] int32; <= 0 disables.
         min_p: [S] float32; 0 disables.
-        seed: [S] int32, the low 32 bits of the request's seed.
+        seed_lo, seed_hi: [S] int32, the bits of the low and high 32-bit words of the
+            request's seed modulo 2**64 (`executor.input_batch.split_seed`).
         token_index: [S] int32, index among the request's output tokens of the token drawn.
         repetition_penalty, presence_penalty, frequency_penalty: [S] float32 (1, 0, 0: off).
         use_bias: [S] bool, add the slot's bias row.
@@ -82,7 +84,8 @@ class SamplingMetadata:
     top_p: jax.Array
     top_k: jax.Array
     min_p: jax.Array
-    seed: jax.Array
+    seed_lo: jax.Array
+    seed_hi: jax.Array
     token_index: jax.Array
     repetition_penalty: jax.Array
     presence_penalty: jax.Array
@@ -160,8 +163,13 @@ def apply_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> 
     return jnp.where(logits < cutoff[:, None], -jnp.inf, logits)
 
 
-def _row_keys(seed: jax.Array, token_index: jax.Array) -> jax.Array:
-    return jax.vmap(lambda s, i: jax.random.fold_in(jax.random.PRNGKey(s), i))(seed, token_index)
+def _row_keys(seed_lo: jax.Array, seed_hi: jax.Array, token_index: jax.Array) -> jax.Array:
+    """One key per row, a function of the row's 64-bit seed and token index only."""
+
+    def key(lo, hi, i):
+        return jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(lo), hi), i)
+
+    return jax.vmap(key)(seed_lo, seed_hi, token_index)
 
 
 def _process(logits: jax.Array, sm: SamplingMetadata, state: SamplingState) -> jax.Array:
@@ -234,7 +242,7 @@ def sample(
         scaled = jax.lax.cond(
             needs_mask, lambda y: apply_top_k_top_p(y, sm.top_k, sm.top_p), lambda y: y, scaled
         )
-        keys = _row_keys(sm.seed, sm.token_index)
+        keys = _row_keys(sm.seed_lo, sm.seed_hi, sm.token_index)
         gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (logits.shape[-1],)))(keys)
         drawn = jnp.argmax(scaled + gumbel, axis=-1).astype(jnp.int32)
         return jnp.where(greedy, greedy_ids, drawn)
