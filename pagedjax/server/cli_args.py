@@ -1,10 +1,14 @@
 """The flags of `pagedjax serve` that are the server's own (vLLM's names); engine flags come
 from `EngineArgs.add_cli_args`. Kept apart from the app so that building the command-line
-parser imports neither FastAPI nor jax."""
+parser, and the checks that need no engine (`check_serve_args`: the model path exists, the
+address can be bound), import neither FastAPI nor jax: a mistake there fails in a second,
+before the model loads."""
 
 from __future__ import annotations
 
 import argparse
+import errno
+import socket
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -23,5 +27,49 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         default=30.0,
         help="Seconds in-flight requests may take to finish after SIGTERM; then aborted.",
     )
+    g.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=16 * 1024 * 1024,
+        help="Larger request bodies are refused with 413 before they are parsed (default: 16 MiB).",
+    )
     g.add_argument("--uvicorn-log-level", default="info")
     g.add_argument("--disable-uvicorn-access-log", action="store_true")
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to host:port, not yet listening (uvicorn listens on it once the
+    engine is up), so that a busy port is found before the model loads.
+
+    Raises:
+        ValueError: the address cannot be bound (in use, not an address of this machine).
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        why = "the port is already in use" if e.errno == errno.EADDRINUSE else e.strerror
+        raise ValueError(
+            f"cannot listen on {host}:{port}: {why} (is another server running there? "
+            "choose another --port)"
+        ) from e
+    return sock
+
+
+def check_serve_args(ns: argparse.Namespace) -> socket.socket:
+    """What `pagedjax serve` checks before loading anything: the model path (the default
+    model when none is given) names a loadable checkpoint, and --host/--port can be bound.
+
+    Returns:
+        The bound socket, for `run_server`.
+
+    Raises:
+        ValueError: a missing model path or an address that cannot be bound.
+    """
+    from pagedjax.models.sources import resolve_model_source
+
+    resolve_model_source(ns.model_tag if ns.model_tag is not None else ns.model)
+    return bind_socket(ns.host, ns.port)

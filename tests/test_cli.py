@@ -1,0 +1,93 @@
+"""The `pagedjax` command as a newcomer meets it: whole help text, usage errors from the
+subcommand that was typed (with a suggestion for a near-miss flag), a missing model named as
+missing, and `serve` on a busy port failing at once, before any model is loaded."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from pagedjax import cli
+from pagedjax.models.sources import resolve_model_source
+from tests.server_utils import HOST, ROOT, free_port, tiny_server_args
+
+
+def _run_main(capsys, argv: list[str]) -> tuple[int, str, str]:
+    try:
+        code = cli.main(argv)
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_top_level_help_has_the_whole_description(capsys):
+    code, out, _ = _run_main(capsys, ["--help"])
+    assert code == 0
+    text = " ".join(out.split())
+    assert "answer one chat turn" in text
+    assert "pagedjax serve" in text  # the examples are in the help
+
+
+def test_unknown_flag_under_serve_gives_serves_usage_and_a_suggestion(capsys):
+    code, _, err = _run_main(capsys, ["serve", "--prot", "8000"])
+    assert code == 2
+    assert err.startswith("usage: pagedjax serve")
+    assert "unrecognized arguments: --prot" in err
+    assert "did you mean --port?" in err
+
+
+def test_unknown_flag_under_generate_with_value_suggests(capsys):
+    code, _, err = _run_main(capsys, ["generate", "x", "--max-tokns=3"])
+    assert code == 2
+    assert err.startswith("usage: pagedjax generate")
+    assert "did you mean --max-tokens?" in err
+
+
+def test_log_level_is_accepted_after_the_subcommand():
+    ns = cli.build_parser().parse_args(["serve", "--log-level", "DEBUG"])
+    assert ns.log_level == "DEBUG"
+    assert cli.build_parser().parse_args(["--log-level", "DEBUG", "serve"]).log_level == "DEBUG"
+    assert cli.build_parser().parse_args(["serve"]).log_level == "INFO"
+
+
+def test_missing_model_path_is_said_not_to_exist(tmp_path, capsys):
+    missing = tmp_path / "nowhere" / "model.gguf"
+    with pytest.raises(ValueError, match="does not exist"):
+        resolve_model_source(str(missing))
+    code, _, err = _run_main(capsys, ["serve", str(missing), "--port", str(free_port())])
+    assert code == 2 and "does not exist" in err and str(missing) in err
+
+
+def test_a_file_that_is_not_a_model_is_still_refused(tmp_path):
+    f = tmp_path / "weights.bin"
+    f.write_bytes(b"x")
+    with pytest.raises(ValueError, match="neither a folder nor a .gguf file"):
+        resolve_model_source(str(f))
+
+
+def test_serve_on_a_busy_port_fails_before_loading(tiny_llama_dir, compile_cache_dir):
+    with socket.socket() as busy:
+        busy.bind((HOST, 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        env = dict(os.environ, PYTHONPATH=str(ROOT), TOKENIZERS_PARALLELISM="false")
+        args = tiny_server_args(
+            tiny_llama_dir, compile_cache_dir, **{"--uvicorn-log-level": "info"}
+        )
+        cmd = [sys.executable, "-m", "pagedjax.cli", "serve", *args, "--host", HOST]
+        cmd += ["--port", str(port)]
+        t0 = time.monotonic()
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+        elapsed = time.monotonic() - t0
+    log = proc.stdout + proc.stderr
+    assert proc.returncode != 0, log
+    assert f"{HOST}:{port}" in log and "in use" in log, log
+    assert "loaded" not in log and "compiled" not in log, log  # no model was loaded
+    assert "serving" not in log, log
+    assert elapsed < 15, (elapsed, log)
