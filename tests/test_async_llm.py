@@ -350,3 +350,39 @@ def test_chat_logprobs_object():
     assert content[1]["top_logprobs"][2]["logprob"] == -9999.0  # -inf, as JSON allows
     req.logprobs = False
     assert srv._logprobs(req, OUTPUT) is None
+
+
+def test_bad_words_are_tokenized_in_one_call_and_capped(llm, monkeypatch):
+    """The engine thread tokenizes a request's bad words in one batched call (each word with
+    and without a leading space, as vLLM), refuses more than MAX_BAD_WORDS words before
+    tokenizing any, and refuses words that cannot be encoded, naming bad_words."""
+    from pagedjax.engine.input_processor import MAX_BAD_WORDS
+
+    proc = llm.llm_engine.input_processor
+    tok = proc.tokenizer
+    words = [f"w{i}" for i in range(100)] + ["w0", "  hello", "z"]
+    want: dict[tuple[int, ...], None] = {}
+    for w in words:
+        for prefix in ("", " "):
+            want[tuple(tok(prefix + w.lstrip(), add_special_tokens=False).input_ids)] = None
+    calls = []
+
+    class Counting:
+        def __call__(self, *args, **kwargs):
+            calls.append(args)
+            return tok(*args, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(tok, name)
+
+    monkeypatch.setattr(proc, "tokenizer", Counting())
+    got = proc._bad_words_token_ids(SamplingParams(bad_words=words))
+    assert got == [list(w) for w in want]
+    assert len(calls) == 1
+    calls.clear()
+    for bad_words in (["a"] * (MAX_BAD_WORDS + 1), ["ok", "\ud800"]):
+        with pytest.raises(InvalidInputError) as info:
+            proc.process([5], SamplingParams(bad_words=bad_words))
+        assert info.value.param == "bad_words"
+    assert len(calls) == 1  # the over-long list was refused before tokenizing
+    assert MAX_BAD_WORDS == 1024

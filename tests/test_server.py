@@ -275,6 +275,97 @@ def test_chat_logprobs_equal_the_engine(server, client, llm):
         )
 
 
+def _prompt_logprobs_json(ref) -> list:
+    """The engine's prompt logprobs as vLLM's server sends them: None for the first prompt
+    token, then {token id (a string key): {"logprob", "rank", "decoded_token"}}."""
+    return [
+        None
+        if step is None
+        else {
+            str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+            for t, lp in step.items()
+        }
+        for step in ref.prompt_logprobs
+    ]
+
+
+def _assert_same_prompt_logprobs(got, want):
+    assert len(got) == len(want) and got[0] is None and want[0] is None
+    for g, w in zip(got[1:], want[1:], strict=True):
+        assert set(g) == set(w)
+        for t in w:
+            assert g[t]["rank"] == w[t]["rank"]
+            assert g[t]["decoded_token"] == w[t]["decoded_token"]
+            assert g[t]["logprob"] == pytest.approx(w[t]["logprob"], abs=1e-4)
+
+
+def test_prompt_logprobs_on_completions_and_chat(server, client, llm):
+    """vLLM's `prompt_logprobs` extra: `choices[i].prompt_logprobs` on completions (echo or
+    not, streamed or not), the response's `prompt_logprobs` on chat; values are the engine's."""
+    ref = _offline(llm, [PROMPTS[0]], prompt_logprobs=2, **GREEDY)[0]
+    want = _prompt_logprobs_json(ref)
+    res = client.completions.create(
+        model="tiny", prompt=PROMPTS[0], n=2, extra_body={"prompt_logprobs": 2}, **GREEDY
+    )
+    assert [c.text for c in res.choices] == [ref.outputs[0].text] * 2
+    for c in res.choices:
+        _assert_same_prompt_logprobs(c.model_extra["prompt_logprobs"], want)
+    stream = client.completions.create(
+        model="tiny", prompt=PROMPTS[0], stream=True, extra_body={"prompt_logprobs": 2}, **GREEDY
+    )
+    got = [c.choices[0].model_extra.get("prompt_logprobs") for c in stream if c.choices]
+    assert got[0] is not None and all(g is None for g in got[1:])  # once, in the first chunk
+    _assert_same_prompt_logprobs(got[0], want)
+
+    messages = [{"role": "user", "content": "Hi"}]
+    params = SamplingParams(temperature=0.0, max_tokens=6, prompt_logprobs=1)
+    ref = llm.chat(messages, params, use_tqdm=False)[0]
+    res = client.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        temperature=0,
+        max_tokens=6,
+        extra_body={"prompt_logprobs": 1},
+    )
+    assert res.choices[0].message.content == ref.outputs[0].text
+    _assert_same_prompt_logprobs(res.model_extra["prompt_logprobs"], _prompt_logprobs_json(ref))
+
+
+def test_chat_echo_continues_the_final_assistant_message(server, client, llm):
+    """vLLM's chat `echo`: with continue_final_message, the reply starts with the final
+    assistant message's content (streamed: in the choice's first content chunk)."""
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hel"}]
+    ref = llm.chat(
+        messages,
+        SamplingParams(temperature=0.0, max_tokens=6),
+        add_generation_prompt=False,
+        continue_final_message=True,
+        use_tqdm=False,
+    )[0]
+    extra = {"echo": True, "add_generation_prompt": False, "continue_final_message": True}
+    res = client.chat.completions.create(
+        model="tiny", messages=messages, temperature=0, max_tokens=6, extra_body=extra
+    )
+    assert res.choices[0].message.content == "Hel" + ref.outputs[0].text
+    assert res.usage.completion_tokens == len(ref.outputs[0].token_ids)
+    stream = client.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        temperature=0,
+        max_tokens=6,
+        stream=True,
+        extra_body=extra,
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == "Hel" + ref.outputs[0].text
+    # Without echo the reply is only what the model wrote.
+    extra["echo"] = False
+    res = client.chat.completions.create(
+        model="tiny", messages=messages, temperature=0, max_tokens=6, extra_body=extra
+    )
+    assert res.choices[0].message.content == ref.outputs[0].text
+
+
 def test_models_health_version_tokenize(server, client, llm):
     models = client.models.list().data
     assert [m.id for m in models] == ["tiny"] and models[0].model_extra["max_model_len"] == 128

@@ -7,7 +7,10 @@ no 5xx and leave no request running and no block held."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
+import threading
+import time
 
 import httpx
 import pytest
@@ -133,6 +136,50 @@ CASES = [
     raw("unknown-path", "{}", 404, path="/v1/nothing"),
     raw("tokenize-both", _j({"prompt": "x", "messages": MSG}), path="/tokenize"),
     raw("detokenize-out-of-vocab", _j({"tokens": [10**9]}), path="/detokenize"),
+    # Text that cannot be encoded (an unpaired UTF-16 surrogate, valid JSON) is refused.
+    raw("surrogate-prompt", '{"prompt": "\\ud800"}', param="prompt"),
+    raw("surrogate-prompt-list", '{"prompt": ["ok", "a\\udfff"]}', param="prompt"),
+    raw("surrogate-tokenize", '{"prompt": "\\ud800"}', param="prompt", path="/tokenize"),
+    raw(
+        "surrogate-tokenize-chat",
+        '{"messages": [{"role": "user", "content": "\\ud800"}]}',
+        param="messages",
+        path="/tokenize",
+    ),
+    raw("surrogate-bad-words", '{"prompt": "x", "bad_words": ["\\ud800"]}', param="bad_words"),
+    raw("surrogate-stop", '{"prompt": "x", "stop": ["\\ud800"]}', param="stop"),
+    raw("surrogate-stop-str", '{"prompt": "x", "stop": "\\udc00x"}', param="stop"),
+    raw(
+        "surrogate-chat",
+        '{"messages": [{"role": "user", "content": "\\ud800"}]}',
+        param="messages",
+        path=CHAT,
+    ),
+    raw(
+        "surrogate-chat-part",
+        '{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud800"}]}]}',
+        param="messages",
+        path=CHAT,
+    ),
+    raw(
+        "surrogate-chat-stop",
+        _j({"messages": MSG})[:-1] + ', "stop": "\\ud800"}',
+        param="stop",
+        path=CHAT,
+    ),
+    chat(
+        "tool-choice-without-tools", {"messages": MSG, "tool_choice": "auto"}, param="tool_choice"
+    ),
+    chat(
+        "tool-choice-named-without-tools",
+        {"messages": MSG, "tool_choice": {"type": "function", "function": {"name": "f"}}},
+        param="tool_choice",
+    ),
+    comp(
+        "bad-words-over-cap",
+        {"prompt": "x", "bad_words": ["a"] * 1025},  # more than MAX_BAD_WORDS
+        param="bad_words",
+    ),
 ]
 
 
@@ -197,13 +244,22 @@ def test_every_case_expects_a_4xx_naming_a_field_of_its_request_model():
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_malformed_request_gets_4xx_and_nothing_else_changes(server, reference, case):
+    """...on the same keep-alive connection: the error does not cost the client it."""
     _, method, path, body, headers, status, param = case
+    connects = []
+
+    def trace(event, info):
+        if event == "connection.connect_tcp.complete":
+            connects.append(info)
+
+    ext = {"trace": trace}
     with httpx.Client(base_url=server.url, timeout=60) as http:
-        r = http.request(method, path, content=body, headers=headers)
+        r = http.request(method, path, content=body, headers=headers, extensions=ext)
         _assert_openai_error(r, status, param)
-        assert http.get("/health").status_code == 200
-        ok = http.post(C, json=NORMAL, headers=AUTH)
+        assert http.get("/health", extensions=ext).status_code == 200
+        ok = http.post(C, json=NORMAL, headers=AUTH, extensions=ext)
         assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == reference
+    assert len(connects) == 1, "the server closed the connection after the error"
 
 
 def test_malformed_requests_do_not_disturb_a_stream_in_flight(server, llm):
@@ -230,6 +286,82 @@ def test_malformed_requests_do_not_disturb_a_stream_in_flight(server, llm):
     text, oks = asyncio.run(main())
     assert all(oks)
     assert text == _offline_text(llm, max_tokens=60, ignore_eos=True)
+    m = wait_idle(server.url)
+    assert m["pagedjax:kv_cache_free_blocks"] == num_blocks(server.url)
+
+
+# ------------------------------------------------------------------------- heavy load
+
+MAX_GAP_S = 0.5
+
+
+def test_heavy_requests_stall_neither_streams_nor_health(server):
+    """A request with 5,000 bad words and one with a 3 MB chat message (each refused or
+    served) arrive while completions stream: no gap between two chunks of a stream (nor the
+    wait for a stream's first chunk) reaches MAX_GAP_S, and /health answers as fast. The
+    tiny model streams 120 tokens in well under a second, so the streams run back to back
+    on one connection until the heavy requests are answered (at most 300 of them)."""
+    stream_body = {
+        "model": "tiny",
+        "prompt": [5],
+        "temperature": 0,
+        "max_tokens": 120,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    bad_words = _j({**NORMAL, "bad_words": [f"w{i}x" for i in range(5000)]})
+    big_chat = _j({"messages": user("x" * 3_000_000), "max_tokens": 4})
+    heavy = [(C, bad_words), (CHAT, big_chat)]
+    gaps: list[float] = []
+    health: list[float] = []
+    running = threading.Event()
+    done = threading.Event()
+
+    def stream_back_to_back() -> int:
+        with httpx.Client(base_url=server.url, timeout=30, headers=AUTH) as http:
+            for n in range(1, 301):
+                last = time.monotonic()
+                with http.stream("POST", C, json=stream_body) as r:
+                    assert r.status_code == 200
+                    for line in r.iter_lines():
+                        if line.startswith("data: "):
+                            now = time.monotonic()
+                            gaps.append(now - last)
+                            last = now
+                            running.set()
+                if done.is_set() and n >= 3:
+                    return n
+        return n
+
+    def send(path: str, body: str) -> int:
+        with httpx.Client(base_url=server.url, timeout=120, headers=JSON) as http:
+            return http.post(path, content=body).status_code
+
+    def poll_health() -> None:
+        with httpx.Client(base_url=server.url, timeout=30) as http:
+            while not done.is_set():
+                t = time.monotonic()
+                assert http.get("/health").status_code == 200
+                health.append(time.monotonic() - t)
+                time.sleep(0.05)
+
+    t0 = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        streams = pool.submit(stream_back_to_back)
+        assert running.wait(60), "the stream did not start"
+        poller = pool.submit(poll_health)
+        statuses = [f.result(timeout=120) for f in [pool.submit(send, *h) for h in heavy]]
+        done.set()
+        n_streams = streams.result(timeout=120)
+        poller.result(timeout=30)
+    print(
+        f"\nheavy requests answered {statuses} in {time.monotonic() - t0:.2f} s; "
+        f"{n_streams} streams, {len(gaps)} chunks, longest gap {max(gaps):.3f} s; "
+        f"{len(health)} health checks, slowest {max(health, default=0):.3f} s"
+    )
+    assert all(s in (200, 400, 413) for s in statuses), statuses
+    assert max(gaps) < MAX_GAP_S
+    assert health and max(health) < MAX_GAP_S
     m = wait_idle(server.url)
     assert m["pagedjax:kv_cache_free_blocks"] == num_blocks(server.url)
 

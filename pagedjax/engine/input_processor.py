@@ -5,6 +5,10 @@ checks it and the `SamplingParams` against the model (vocabulary, `max_model_len
 `max_logprobs`), resolves `max_tokens` and tokenizes the bad words. Every refusal is an
 `errors.InvalidInputError` naming the field, raised before anything is queued; the server
 maps it to a 400 with that `param`. Plain Python, no jax.
+
+This runs on the engine thread (between two steps), so its cost is bounded: a token-id
+prompt longer than max_model_len is refused (or truncated) before its ids are scanned, and a
+request's bad words, at most `MAX_BAD_WORDS` of them, are tokenized in one batched call.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from pagedjax.errors import InvalidInputError
 from pagedjax.executor.input_batch import MAX_BANNED
 from pagedjax.inputs import PromptType, parse_prompt
 from pagedjax.sampling_params import SamplingParams
+
+MAX_BAD_WORDS = 1024  # bad words per request (vLLM sets no limit); more is a 400
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,8 +55,12 @@ class InputProcessor:
         Raises:
             InvalidInputError: a malformed or empty prompt, or text without a tokenizer.
         """
+        return self._parse(prompt)[1]
+
+    def _parse(self, prompt: PromptType) -> tuple[str | None, list[int], str | None]:
+        """(text or None, token ids, cache salt) of a prompt; text is tokenized."""
         try:
-            text, ids, _ = parse_prompt(prompt)
+            text, ids, salt = parse_prompt(prompt)
         except ValueError as e:
             raise InvalidInputError(str(e), "prompt") from None
         if ids is None:
@@ -60,8 +70,11 @@ class InputProcessor:
                 )
             if text == "":
                 raise InvalidInputError("prompt must not be empty", "prompt")
-            ids = self.tokenizer(text).input_ids
-        return ids
+            try:
+                ids = self.tokenizer(text).input_ids
+            except (TypeError, ValueError) as e:  # e.g. an unpaired UTF-16 surrogate
+                raise InvalidInputError(f"the prompt cannot be tokenized: {e}", "prompt") from None
+        return text, ids, salt
 
     def process(
         self, prompt: PromptType, params: SamplingParams, check_max_tokens: bool = False
@@ -80,29 +93,25 @@ class InputProcessor:
         """
         mc = self.model_config
         m = mc.max_model_len
-        ids = self.prompt_token_ids(prompt)
-        text, _, salt = parse_prompt(prompt)
         k = params.truncate_prompt_tokens
-        if k is not None:
-            if k > m:
-                raise InvalidInputError(
-                    f"truncate_prompt_tokens must be -1 or in [1, max_model_len={m}], got {k}",
-                    "truncate_prompt_tokens",
-                )
-            ids = ids[-(m if k == -1 else k) :]
+        if k is not None and k > m:
+            raise InvalidInputError(
+                f"truncate_prompt_tokens must be -1 or in [1, max_model_len={m}], got {k}",
+                "truncate_prompt_tokens",
+            )
+        keep = None if k is None else (m if k == -1 else k)
+        raw = _token_list(prompt)
+        if raw is not None:  # cut or refused before its ids are scanned
+            if keep is None:
+                self._check_prompt_len(len(raw), check_max_tokens)
+            elif len(raw) > keep:
+                prompt = _with_token_list(prompt, raw[-keep:])
+        text, ids, salt = self._parse(prompt)
+        if keep is not None:
+            ids = ids[-keep:]
         if not ids:
             raise InvalidInputError("prompt must not be empty (it has 0 tokens)", "prompt")
-        if len(ids) > m and not check_max_tokens:
-            raise InvalidInputError(
-                f"prompt has {len(ids)} tokens, more than max_model_len={m}", "prompt"
-            )
-        if check_max_tokens and len(ids) >= m:
-            raise InvalidInputError(
-                f"This model's maximum context length is {m} tokens. However, your request "
-                f"has {len(ids)} input tokens, which leaves no room for output. Please reduce "
-                "the length of the prompt.",
-                "prompt",
-            )
+        self._check_prompt_len(len(ids), check_max_tokens)
         vocab = mc.arch.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
@@ -124,6 +133,18 @@ class InputProcessor:
         room = m - len(ids)
         params.max_tokens = max(1, min(params.max_tokens or room, room)) if room > 0 else 1
         return ProcessedInput(text, ids, salt, params, bad_words)
+
+    def _check_prompt_len(self, n: int, check_max_tokens: bool) -> None:
+        m = self.model_config.max_model_len
+        if n > m and not check_max_tokens:
+            raise InvalidInputError(f"prompt has {n} tokens, more than max_model_len={m}", "prompt")
+        if check_max_tokens and n >= m:
+            raise InvalidInputError(
+                f"This model's maximum context length is {m} tokens. However, your request "
+                f"has {n} input tokens, which leaves no room for output. Please reduce "
+                "the length of the prompt.",
+                "prompt",
+            )
 
     def _check_params(self, params: SamplingParams) -> None:
         """Checks what SamplingParams cannot check alone (vocabulary, max_logprobs, ...)."""
@@ -153,15 +174,26 @@ class InputProcessor:
 
     def _bad_words_token_ids(self, params: SamplingParams) -> list[list[int]] | None:
         """Token sequences of each bad word, with and without a leading space (as vLLM),
-        each sequence once."""
-        if not params.bad_words:
+        each sequence once, from one batched tokenizer call.
+
+        Raises:
+            InvalidInputError: more than MAX_BAD_WORDS words, or a word that cannot be
+                tokenized (e.g. an unpaired UTF-16 surrogate).
+        """
+        words = params.bad_words
+        if not words:
             return None
-        seqs: dict[tuple[int, ...], None] = {}
-        for word in params.bad_words:
-            for prefix in ("", " "):
-                ids = self.tokenizer(prefix + word.lstrip(), add_special_tokens=False).input_ids
-                if ids:
-                    seqs[tuple(ids)] = None
+        if len(words) > MAX_BAD_WORDS:
+            raise InvalidInputError(
+                f"bad_words may hold at most {MAX_BAD_WORDS} words, got {len(words)}",
+                "bad_words",
+            )
+        texts = [prefix + w.lstrip() for w in words for prefix in ("", " ")]
+        try:
+            encoded = self.tokenizer(texts, add_special_tokens=False).input_ids
+        except (TypeError, ValueError) as e:
+            raise InvalidInputError(f"bad_words cannot be tokenized: {e}", "bad_words") from None
+        seqs = dict.fromkeys(tuple(ids) for ids in encoded if ids)
         return [list(s) for s in seqs]
 
     @staticmethod
@@ -183,3 +215,16 @@ class InputProcessor:
                 f"words are longer than one token (got {len(endings)})",
                 "bad_words",
             )
+
+
+def _token_list(prompt: PromptType) -> list | None:
+    """The list of a token-id prompt, as given (not yet checked), or None."""
+    if isinstance(prompt, list):
+        return prompt
+    if isinstance(prompt, dict) and isinstance(prompt.get("prompt_token_ids"), list):
+        return prompt["prompt_token_ids"]
+    return None
+
+
+def _with_token_list(prompt: PromptType, ids: list) -> PromptType:
+    return ids if isinstance(prompt, list) else {**prompt, "prompt_token_ids": ids}

@@ -3,8 +3,10 @@
 Requests are validated strictly (JSON types are not coerced: `"max_tokens": "5"` or `true`
 for an integer is refused; NaN and infinities are refused) and each range is declared on the
 field, so that the OpenAPI document at `/openapi.json` describes what is accepted and every
-violation is an HTTP 400. Unknown fields are accepted and ignored (OpenAI clients send fields
-this server does not use, such as `user` or `store`); the server logs their names.
+violation is an HTTP 400. Text that cannot be encoded as UTF-8 (a JSON string holding an
+unpaired UTF-16 surrogate such as `"\\ud800"`) is refused in every field. Unknown fields
+are accepted and ignored (OpenAI clients send fields this server does not use, such as
+`user` or `store`); the server logs their names.
 
 Field meanings follow OpenAI's API reference (`/v1/completions`, `/v1/chat/completions`)
 and, for the extras (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `min_tokens`,
@@ -17,8 +19,9 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from pagedjax.errors import InvalidInputError
 from pagedjax.sampling_params import RequestOutputKind, SamplingParams
 
 MAX_N = 128  # OpenAI's limit on choices per request
@@ -27,9 +30,39 @@ _INT32_MAX = 2**31 - 1
 
 
 class OpenAIBaseModel(BaseModel):
-    """Strict JSON types, no NaN/inf, unknown fields kept (and ignored)."""
+    """Strict JSON types, no NaN/inf, text encodable as UTF-8, unknown fields kept (and
+    ignored)."""
 
     model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _encodable(cls, value: Any) -> Any:
+        if _has_unencodable_text(value):
+            raise ValueError("text must be valid Unicode (no unpaired UTF-16 surrogates)")
+        return value
+
+
+def _has_unencodable_text(value: Any) -> bool:
+    """Whether a string of `value` (or of its lists and dicts) cannot be encoded as UTF-8.
+    A list of numbers (token ids: the types are already checked) is not walked."""
+    if isinstance(value, str):
+        if value.isascii():
+            return False
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+    if isinstance(value, list):
+        if not value or isinstance(value[0], int | float):
+            return False
+        if isinstance(value[0], list) and value[0] and isinstance(value[0][0], int):
+            return False
+        return any(_has_unencodable_text(v) for v in value)
+    if isinstance(value, dict):
+        return any(_has_unencodable_text(k) or _has_unencodable_text(v) for k, v in value.items())
+    return False
 
 
 class _ResponseModel(BaseModel):
@@ -219,6 +252,12 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     # vLLM extras
+    prompt_logprobs: int | None = Field(None, ge=0, le=_INT64[1], description="<= max_logprobs")
+    echo: bool = Field(
+        False,
+        description="The reply starts with the final message's content when that message is "
+        "the assistant's (with continue_final_message: the text being continued).",
+    )
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False
@@ -238,6 +277,8 @@ class ChatCompletionRequest(SamplingRequest):
             raise ValueError("top_logprobs needs logprobs to be true")
         if self.response_format is not None and self.response_format.type != "text":
             raise ValueError(f"response_format {self.response_format.type!r} is not supported")
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise InvalidInputError("when tool_choice is given, tools must be set", "tool_choice")
         if self.tools and self.tool_choice != "none":  # OpenAI's default with tools: "auto"
             raise ValueError("tool calling is not supported (only tool_choice='none')")
         if self.chat_template is not None:
@@ -248,6 +289,7 @@ class ChatCompletionRequest(SamplingRequest):
         return SamplingParams(
             max_tokens=max_tokens,
             logprobs=(self.top_logprobs or 0) if self.logprobs else None,
+            prompt_logprobs=self.prompt_logprobs,
             **self.base_sampling_kwargs(),
         )
 
@@ -287,12 +329,26 @@ class CompletionLogprobs(_ResponseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(_ResponseModel):
+    """vLLM's per-token entry of `prompt_logprobs` (rank 1 is the most likely token)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's `prompt_logprobs`: per prompt position, None for the first token, else token id
+# (a string, as JSON keys are) -> its entry: the prompt's own token and the most likely ones.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(_ResponseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM; in a stream: the first chunk
 
 
 class CompletionResponse(_ResponseModel):
@@ -338,6 +394,7 @@ class ChatCompletionResponse(_ResponseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's extra, for the one prompt
 
 
 class DeltaMessage(_ResponseModel):
@@ -360,6 +417,7 @@ class ChatCompletionChunk(_ResponseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # in the first chunk only
 
 
 class ModelCard(_ResponseModel):

@@ -3,32 +3,49 @@ preparation (tokenization, the chat template), handing requests to the engine (w
 refusals become 400s), logprob conversion, SSE framing, and the merge of several request
 streams into one.
 
-Tokenization happens here, on the event loop, and the engine receives token ids only: the
-engine thread never tokenizes a server request, so the tokenizer is never used by two
-threads for encoding at once. The engine validates prompts and parameters once (prompt
-length, vocabulary, truncate_prompt_tokens, logprobs limits, prompt + max_tokens against
-max_model_len); an `InvalidInputError` it raises becomes a 400 whose `param` is its field.
+Tokenization and chat-template rendering happen here, off the event loop, on a small pool
+of threads (`TOKENIZER_THREADS`; a fast tokenizer releases the GIL while it encodes), so a
+request with a multi-megabyte prompt delays no other stream and no `/health`. The engine
+receives token ids only (its thread tokenizes just the bad words, in one batched call).
+Several threads may encode at once: a fast tokenizer's encode only reads it, and nothing
+here changes its truncation or padding. Text that cannot be tokenized is a 400. The engine
+validates prompts and parameters once (prompt length, vocabulary, truncate_prompt_tokens,
+logprobs limits, prompt + max_tokens against max_model_len); an `InvalidInputError` it
+raises becomes a 400 whose `param` is its field.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import functools
 import logging
 import math
 import uuid
-from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any, TypeVar
 
 from pagedjax.engine.async_llm import AsyncLLM, RequestStream
 from pagedjax.errors import InvalidInputError
 from pagedjax.inputs import PromptType
 from pagedjax.outputs import Logprob, RequestOutput
 from pagedjax.sampling_params import SamplingParams
-from pagedjax.server.protocol import ChatMessage, ErrorInfo, ErrorResponse, SamplingRequest
+from pagedjax.server.protocol import (
+    ChatMessage,
+    ErrorInfo,
+    ErrorResponse,
+    PromptLogprob,
+    PromptLogprobs,
+    SamplingRequest,
+    TokenizeRequest,
+    TokenizeResponse,
+)
 
 logger = logging.getLogger(__name__)
 
 _MIN_LOGPROB = -9999.0  # what -inf becomes in JSON (vLLM's convention)
+TOKENIZER_THREADS = 4  # requests tokenized (or rendered) at once, off the event loop
+_T = TypeVar("_T")
 
 
 class APIError(Exception):
@@ -92,6 +109,11 @@ class OpenAIServing:
         self.max_model_len = mc.max_model_len  # reported by /tokenize and /v1/models
         self.vocab_size = mc.arch.vocab_size
 
+    async def off_loop(self, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+        """fn(*args, **kwargs) on the tokenizer threads, so the event loop keeps serving."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(_pool(), functools.partial(fn, *args, **kwargs))
+
     # ------------------------------------------------------------------- checks
 
     def check_model(self, model: str | None) -> None:
@@ -154,9 +176,62 @@ class OpenAIServing:
 
     # ---------------------------------------------------------------- prompts
 
-    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool, param: str = "prompt") -> list[int]:
+        """Token ids of a text (blocking: see `encode_many` for the event loop).
+
+        Raises:
+            APIError 400: no tokenizer, or text the tokenizer refuses.
+        """
+        return self.encode_batch([text], add_special_tokens, param)[0]
+
+    def encode_batch(
+        self, texts: list[str], add_special_tokens: bool, param: str = "prompt"
+    ) -> list[list[int]]:
+        """Token ids of several texts, from one batched tokenizer call (blocking)."""
         tok = self.require_tokenizer()
-        return list(tok(text, add_special_tokens=add_special_tokens).input_ids)
+        try:
+            return [
+                list(ids) for ids in tok(texts, add_special_tokens=add_special_tokens).input_ids
+            ]
+        except (TypeError, ValueError) as e:  # e.g. an unpaired UTF-16 surrogate
+            raise bad_request(f"the {param} cannot be tokenized: {e}", param) from e
+
+    async def encode_many(
+        self, texts: list[str], add_special_tokens: bool, param: str = "prompt"
+    ) -> list[list[int]]:
+        """`encode_batch` on the tokenizer threads."""
+        return await self.off_loop(self.encode_batch, texts, add_special_tokens, param)
+
+    async def render_chat_async(self, *args: Any, **kwargs: Any) -> list[int]:
+        """`render_chat` on the tokenizer threads."""
+        return await self.off_loop(self.render_chat, *args, **kwargs)
+
+    async def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
+        """`POST /tokenize`, its tokenization off the event loop.
+
+        Raises:
+            APIError 400/404: a bad request, an unknown model.
+        """
+        self.check_model(request.model)
+        if (request.prompt is None) == (request.messages is None):
+            raise bad_request("give exactly one of prompt and messages")
+        if request.messages is not None:
+            if not request.messages:
+                raise bad_request("messages must not be empty", "messages")
+            if request.add_generation_prompt and request.continue_final_message:
+                raise bad_request("add_generation_prompt and continue_final_message are exclusive")
+            ids = await self.render_chat_async(
+                request.messages, request.add_generation_prompt, request.continue_final_message
+            )
+        else:
+            add = True if request.add_special_tokens is None else request.add_special_tokens
+            (ids,) = await self.encode_many([request.prompt], add)
+        strs = None
+        if request.return_token_strs:
+            strs = await self.off_loop(self.require_tokenizer().convert_ids_to_tokens, ids)
+        return TokenizeResponse(
+            count=len(ids), max_model_len=self.max_model_len, tokens=ids, token_strs=strs
+        )
 
     def decode(self, ids: Sequence[int]) -> str:
         if self.tokenizer is None:
@@ -216,6 +291,29 @@ class OpenAIServing:
             return lp.decoded_token
         return self.decode([token_id])
 
+    def prompt_logprobs(
+        self, steps: Sequence[dict[int, Logprob] | None] | None
+    ) -> PromptLogprobs | None:
+        """vLLM's `prompt_logprobs` from the engine's: None for the first prompt token, then
+        token id (as a string) -> logprob (-inf as -9999.0), rank and decoded text."""
+        if steps is None:
+            return None
+        return [
+            None
+            if step is None
+            else {
+                str(t): PromptLogprob(
+                    logprob=clamp_logprob(lp.logprob),
+                    rank=lp.rank,
+                    decoded_token=lp.decoded_token
+                    if lp.decoded_token is not None
+                    else self.decode([t]),
+                )
+                for t, lp in step.items()
+            }
+            for step in steps
+        ]
+
     def top_entries(
         self, step: dict[int, Logprob], k: int, as_ids: bool
     ) -> list[tuple[str, float]]:
@@ -225,6 +323,13 @@ class OpenAIServing:
             key=lambda kv: (kv[1].rank is None, kv[1].rank or 0, -kv[1].logprob),
         )
         return [(self.token_str(t, lp, as_ids), clamp_logprob(lp.logprob)) for t, lp in ranked[:k]]
+
+
+@functools.cache
+def _pool() -> concurrent.futures.ThreadPoolExecutor:
+    return concurrent.futures.ThreadPoolExecutor(
+        TOKENIZER_THREADS, thread_name_prefix="pagedjax-tokenize"
+    )
 
 
 def clamp_logprob(x: float) -> float:

@@ -5,6 +5,12 @@ sequences -> a `chat.completion`, or server-sent `chat.completion.chunk`s ending
 A stream opens each choice with a chunk whose delta is `{"role": "assistant", "content": ""}`,
 then sends content deltas; the last chunk of a choice carries its `finish_reason`. With
 `stream_options.include_usage`, a final chunk with no choices carries the usage.
+
+vLLM's extras: `echo` starts each reply with the final message's content when that message
+is the assistant's (streamed: a content chunk right after the role chunk), so that with
+`continue_final_message` the reply holds the whole continued message; `prompt_logprobs` comes
+back as the response's `prompt_logprobs` (streamed: in the first chunk). The chat template is
+rendered and tokenized off the event loop. `tool_choice` other than "none" needs `tools`.
 """
 
 from __future__ import annotations
@@ -53,7 +59,7 @@ class OpenAIServingChat(OpenAIServing):
             params = request.to_sampling_params()  # max_tokens None: all the room left
         except ValueError as e:
             raise bad_input(e) from e
-        ids = self.render_chat(
+        ids = await self.render_chat_async(
             request.messages,
             request.add_generation_prompt,
             request.continue_final_message,
@@ -68,9 +74,10 @@ class OpenAIServingChat(OpenAIServing):
             prompt_param="messages",
         )
         created = int(time.time())
+        echo = _echo_text(request)
         if request.stream:
             return StreamingResponse(
-                self._stream(request, request_id, created, stream),
+                self._stream(request, request_id, created, stream, echo),
                 media_type="text/event-stream",
             )
         final = None
@@ -82,7 +89,7 @@ class OpenAIServingChat(OpenAIServing):
         choices = [
             ChatChoice(
                 index=o.index,
-                message=ChatResponseMessage(content=o.text),
+                message=ChatResponseMessage(content=echo + o.text),
                 logprobs=self._logprobs(request, o),
                 finish_reason=o.finish_reason,
                 stop_reason=o.stop_reason,
@@ -100,8 +107,12 @@ class OpenAIServingChat(OpenAIServing):
                 completion_tokens=completion_tokens,
                 total_tokens=len(final.prompt_token_ids) + completion_tokens,
             ),
+            prompt_logprobs=self.prompt_logprobs(final.prompt_logprobs),
         )
-        return JSONResponse(body.model_dump())
+        data = body.model_dump()
+        if request.prompt_logprobs is None:
+            del data["prompt_logprobs"]  # OpenAI's shape unless asked for
+        return JSONResponse(data)
 
     def _logprobs(self, request: ChatCompletionRequest, o: CompletionOutput) -> ChatLogprobs | None:
         """OpenAI's chat `logprobs` object: per output token its text, logprob and UTF-8
@@ -136,6 +147,7 @@ class OpenAIServingChat(OpenAIServing):
         request_id: str,
         created: int,
         stream: RequestStream,
+        echo: str,
     ) -> AsyncIterator[str]:
         opts = request.stream_options
         include_usage = bool(opts and opts.include_usage)
@@ -149,15 +161,18 @@ class OpenAIServingChat(OpenAIServing):
                 prompt_tokens=prompt_tokens, completion_tokens=c, total_tokens=prompt_tokens + c
             )
 
-        def chunk(choices: list[ChatChunkChoice], with_usage: bool) -> str:
+        def chunk(choices: list[ChatChunkChoice], with_usage: bool, prompt_logprobs=None) -> str:
             body = ChatCompletionChunk(
                 id=request_id,
                 created=created,
                 model=self.served_model_name,
                 choices=choices,
                 usage=usage() if with_usage else None,
+                prompt_logprobs=prompt_logprobs,
             )
             data = body.model_dump()
+            if prompt_logprobs is None:
+                del data["prompt_logprobs"]
             for c in data["choices"]:  # a delta names only what it carries
                 c["delta"] = {k: v for k, v in c["delta"].items() if v is not None}
             return sse(json.dumps(data, ensure_ascii=False))
@@ -168,9 +183,14 @@ class OpenAIServingChat(OpenAIServing):
                 if first_output:  # the role chunks, once the prompt's token count is known
                     first_output = False
                     prompt_tokens = len(out.prompt_token_ids)
+                    plp = self.prompt_logprobs(out.prompt_logprobs)
                     for i in range(request.n):
                         role = DeltaMessage(role="assistant", content="")
-                        yield chunk([ChatChunkChoice(index=i, delta=role)], continuous)
+                        yield chunk([ChatChunkChoice(index=i, delta=role)], continuous, plp)
+                        plp = None
+                        if echo:
+                            echoed = ChatChunkChoice(index=i, delta=DeltaMessage(content=echo))
+                            yield chunk([echoed], continuous)
                 for o in out.outputs:
                     completion_tokens[o.index] += len(o.token_ids)
                     if not o.text and o.finish_reason is None and not request.logprobs:
@@ -188,3 +208,14 @@ class OpenAIServingChat(OpenAIServing):
         except EngineError as e:
             yield sse(APIError(500, str(e), type="server_error").body.model_dump_json())
         yield SSE_DONE
+
+
+def _echo_text(request: ChatCompletionRequest) -> str:
+    """With `echo`, the final message's content when it is the assistant's (text parts
+    joined as the template saw them), else ""."""
+    last = request.messages[-1]
+    if not request.echo or last.role != "assistant" or last.content is None:
+        return ""
+    if isinstance(last.content, str):
+        return last.content
+    return "\n".join(p.text or "" for p in last.content)

@@ -6,6 +6,8 @@ Each prompt of the list is one engine request of n sequences; choice i*n + j is 
 of prompt i (OpenAI's and vLLM's order). With `echo`, the prompt text leads each choice's
 text (in a stream, as the choice's first chunk). Usage counts every prompt once and every
 choice's output tokens; a prompt's token count is the engine's, after truncate_prompt_tokens.
+With vLLM's `prompt_logprobs`, each choice carries its prompt's (in a stream: in the choice's
+first chunk), echo or not. Text prompts are tokenized in one batched call, off the event loop.
 """
 
 from __future__ import annotations
@@ -40,8 +42,9 @@ from pagedjax.server.serving import (
 class OpenAIServingCompletion(OpenAIServing):
     """Handles `CompletionRequest`s (see the module docstring)."""
 
-    def _prompts(self, request: CompletionRequest) -> list[tuple[str | None, list[int]]]:
-        """(text or None, token ids) per prompt; raises APIError 400 for an empty one."""
+    async def _prompts(self, request: CompletionRequest) -> list[tuple[str | None, list[int]]]:
+        """(text or None, token ids) per prompt; raises APIError 400 for an empty one or
+        text that cannot be tokenized."""
         p = request.prompt
         if isinstance(p, str):
             items: list = [p]
@@ -51,15 +54,17 @@ class OpenAIServingCompletion(OpenAIServing):
             items = [p]
         else:
             items = list(p)
-        out = []
         for i, item in enumerate(items):
-            if isinstance(item, str):
-                if not item:
-                    raise bad_request(f"prompt {i} must not be empty", "prompt")
-                out.append((item, self.encode(item, request.add_special_tokens)))
-            else:
-                out.append((None, list(item)))  # the engine checks them
-        return out
+            if isinstance(item, str) and not item:
+                raise bad_request(f"prompt {i} must not be empty", "prompt")
+        texts = [item for item in items if isinstance(item, str)]
+        encoded = iter(await self.encode_many(texts, request.add_special_tokens) if texts else [])
+        return [
+            (item, next(encoded))
+            if isinstance(item, str)
+            else (None, item)  # the engine checks ids
+            for item in items
+        ]
 
     async def create(self, request: CompletionRequest):
         """Returns a JSONResponse or a StreamingResponse; raises APIError for bad input."""
@@ -70,7 +75,7 @@ class OpenAIServingCompletion(OpenAIServing):
         except ValueError as e:
             raise bad_input(e) from e
         request_id = random_id("cmpl")
-        prompts = self._prompts(request)
+        prompts = await self._prompts(request)
         engine_requests = [
             (f"{request_id}-{i}", {"prompt_token_ids": ids}, params)
             for i, (_, ids) in enumerate(prompts)
@@ -102,6 +107,7 @@ class OpenAIServingCompletion(OpenAIServing):
         completion_tokens = 0
         for i, ((text, _), res) in enumerate(zip(prompts, results, strict=True)):
             echo = self._echo_text(text, res.prompt_token_ids) if request.echo else ""
+            prompt_logprobs = self.prompt_logprobs(res.prompt_logprobs)
             for o in res.outputs:
                 completion_tokens += len(o.token_ids)
                 choices.append(
@@ -111,6 +117,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         logprobs=self._logprobs(request, o, res, 0, len(echo)),
                         finish_reason=o.finish_reason,
                         stop_reason=o.stop_reason,
+                        prompt_logprobs=prompt_logprobs,
                     )
                 )
         prompt_tokens = sum(len(res.prompt_token_ids) for res in results)
@@ -186,6 +193,8 @@ class OpenAIServingCompletion(OpenAIServing):
         prompt_lens = [0] * len(prompts)  # the engine's counts, known from a prompt's output
         completion_tokens = [0] * (len(prompts) * n)
         echo_pending = [request.echo] * len(completion_tokens)
+        prompt_lps: list = [None] * len(prompts)  # each prompt's, from its first output
+        lps_pending = [request.prompt_logprobs is not None] * len(completion_tokens)
         sent_chars = [0] * len(completion_tokens)  # where the next logprobs' offsets start
 
         def usage() -> UsageInfo:
@@ -200,20 +209,28 @@ class OpenAIServingCompletion(OpenAIServing):
                 choices=choices,
                 usage=usage() if with_usage else None,
             )
-            return sse(body.model_dump_json())
+            if any(c.prompt_logprobs is not None for c in choices):
+                return sse(body.model_dump_json())
+            return sse(body.model_dump_json(exclude={"choices": {"__all__": {"prompt_logprobs"}}}))
 
         try:
             async for i, out in merge_streams(streams):
                 prompt_lens[i] = len(out.prompt_token_ids)
+                if out.prompt_logprobs is not None and prompt_lps[i] is None:
+                    prompt_lps[i] = self.prompt_logprobs(out.prompt_logprobs)
                 for o in out.outputs:
                     idx = i * n + o.index
                     text, echo_len = o.text, 0
+                    plp = None
+                    if lps_pending[idx] and prompt_lps[i] is not None:
+                        plp, lps_pending[idx] = prompt_lps[i], False
                     if echo_pending[idx]:
                         echo = self._echo_text(prompts[i][0], out.prompt_token_ids)
                         text, echo_len = echo + text, len(echo)
                         echo_pending[idx] = False
                     completion_tokens[idx] += len(o.token_ids)
-                    if not text and o.finish_reason is None and request.logprobs is None:
+                    quiet = not text and o.finish_reason is None and request.logprobs is None
+                    if quiet and plp is None:
                         continue  # e.g. a token that ends inside a UTF-8 character
                     choice = CompletionChoice(
                         index=idx,
@@ -221,6 +238,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         logprobs=self._logprobs(request, o, out, sent_chars[idx], echo_len),
                         finish_reason=o.finish_reason,
                         stop_reason=o.stop_reason,
+                        prompt_logprobs=plp,
                     )
                     lp = choice.logprobs
                     if lp is not None and lp.tokens:  # offsets run on over token strings
