@@ -321,26 +321,7 @@ def build_app(
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
     async def tokenize(request: TokenizeRequest) -> TokenizeResponse:
-        base.check_model(request.model)
-        if (request.prompt is None) == (request.messages is None):
-            raise bad_request("give exactly one of prompt and messages")
-        if request.messages is not None:
-            if not request.messages:
-                raise bad_request("messages must not be empty", "messages")
-            if request.add_generation_prompt and request.continue_final_message:
-                raise bad_request("add_generation_prompt and continue_final_message are exclusive")
-            ids = base.render_chat(
-                request.messages, request.add_generation_prompt, request.continue_final_message
-            )
-        else:
-            add = True if request.add_special_tokens is None else request.add_special_tokens
-            ids = base.encode(request.prompt, add)
-        strs = None
-        if request.return_token_strs:
-            strs = base.require_tokenizer().convert_ids_to_tokens(ids)
-        return TokenizeResponse(
-            count=len(ids), max_model_len=base.max_model_len, tokens=ids, token_strs=strs
-        )
+        return await base.tokenize(request)
 
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
     async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
