@@ -123,7 +123,7 @@ def test_n4_uses_the_prompt_blocks_once(make_llm, tiny_llama_dir, prompts8):
     eng.add_request(
         "n4",
         {"prompt_token_ids": prompt},
-        SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=4),
+        SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=4, ignore_eos=True),
     )
     kv = eng.kv_cache_manager
     eng.step()  # the first sample computes the prompt; the others fork its blocks
