@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 
 from pagedjax.models import quant_loader
+from pagedjax.models.arch_config import DecoderArchConfig
 from pagedjax.models.hf_format import HF_LAYER_NAMES
-from pagedjax.models.llama import LlamaArchConfig
 from pagedjax.models.sources import safetensors_files
 from pagedjax.models.stacking import StackedParams
 
@@ -51,7 +51,7 @@ def hf_tensors(folder: str) -> Iterator[tuple[str, np.ndarray]]:
                     yield name, f.get_tensor(name)
 
 
-def assign_hf(stack: StackedParams, cfg: LlamaArchConfig, name: str, value) -> None:
+def assign_hf(stack: StackedParams, cfg: DecoderArchConfig, name: str, value) -> None:
     """Routes one HF tensor (torch layout [out, in]) to its place in the pytree."""
     if name.endswith("rotary_emb.inv_freq"):
         return  # a buffer some old checkpoints saved; recomputed from the config

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from pagedjax.models.llama import LlamaArchConfig
+    from pagedjax.models.arch_config import DecoderArchConfig
 
 # Tensor name under `model.layers.<i>.` -> (our layer param, stored [out, in]: transpose).
 HF_LAYER_NAMES = {
@@ -24,6 +24,7 @@ HF_LAYER_NAMES = {
     "self_attn.q_proj.bias": ("q_bias", False),
     "self_attn.k_proj.bias": ("k_bias", False),
     "self_attn.v_proj.bias": ("v_bias", False),
+    "self_attn.o_proj.bias": ("o_bias", False),
     "post_attention_layernorm.weight": ("post_attn_norm", False),
     "mlp.gate_proj.weight": ("gate_proj", True),
     "mlp.up_proj.weight": ("up_proj", True),
@@ -39,7 +40,7 @@ HF_LINEAR_MODULES = {
 HF_TENSOR_NAMES = {ours: name for name, (ours, _) in HF_LAYER_NAMES.items()}
 
 
-def hf_config_dict(cfg: LlamaArchConfig, dtype: str) -> dict[str, Any]:
+def hf_config_dict(cfg: DecoderArchConfig, dtype: str) -> dict[str, Any]:
     """A Hugging Face style config.json dict of an architecture."""
     return {
         "architectures": [cfg.architecture],
@@ -51,6 +52,7 @@ def hf_config_dict(cfg: LlamaArchConfig, dtype: str) -> dict[str, Any]:
         "num_key_value_heads": cfg.num_key_value_heads,
         "head_dim": cfg.head_dim,
         "rms_norm_eps": cfg.rms_norm_eps,
+        "hidden_act": cfg.hidden_act,
         "rope_parameters": {
             "rope_type": "default",
             **cfg.rope_scaling_dict,
