@@ -25,6 +25,8 @@ HF_LAYER_NAMES = {
     "self_attn.k_proj.bias": ("k_bias", False),
     "self_attn.v_proj.bias": ("v_bias", False),
     "self_attn.o_proj.bias": ("o_bias", False),
+    "self_attn.q_norm.weight": ("q_norm", False),  # Qwen3
+    "self_attn.k_norm.weight": ("k_norm", False),
     "post_attention_layernorm.weight": ("post_attn_norm", False),
     "mlp.gate_proj.weight": ("gate_proj", True),
     "mlp.up_proj.weight": ("up_proj", True),
