@@ -1,10 +1,10 @@
 """The Hugging Face checkpoint format's names: each param's tensor name, and config.json.
 
 One table, `HF_LAYER_NAMES`, maps a decoder layer's tensor names (after
-`model.layers.<i>.`) to our params; the loader reads float checkpoints through it,
-`quant_loader` takes its linear modules (`HF_LINEAR_MODULES`) and `quant_export` writes
-checkpoints with it. `hf_config_dict` writes an architecture as a config.json dict.
-Jax-free.
+`model.layers.<i>.`) to our params; the loader reads float checkpoints through it (and
+through `HF_FUSED_LAYER_NAMES`, the fused tensors it splits), `quant_loader` takes its linear
+modules (`HF_LINEAR_MODULES`) and `quant_export` writes checkpoints with it.
+`hf_config_dict` writes an architecture as a config.json dict. Jax-free.
 """
 
 from __future__ import annotations
@@ -31,6 +31,12 @@ HF_LAYER_NAMES = {
     "mlp.gate_proj.weight": ("gate_proj", True),
     "mlp.up_proj.weight": ("up_proj", True),
     "mlp.down_proj.weight": ("down_proj", True),
+}
+# Fused tensors under `model.layers.<i>.` (Phi-3) -> the layer params their rows split into,
+# in order (`hf_checkpoint.split_fused`).
+HF_FUSED_LAYER_NAMES = {
+    "self_attn.qkv_proj.weight": ("q_proj", "k_proj", "v_proj"),
+    "mlp.gate_up_proj.weight": ("gate_proj", "up_proj"),
 }
 # The decoder's linear modules, "self_attn.q_proj" -> "q_proj" (their weights are transposed).
 HF_LINEAR_MODULES = {

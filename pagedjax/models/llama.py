@@ -4,7 +4,8 @@ The model reads and writes the paged KV cache through `ops.attention`; it never 
 request, a block manager or a batch size other than the flat token count. Its blocks
 (RMSNorm, RoPE, attention, gated MLP, LM head) are `models.layers`'; this module is what is
 particular to the family: the config it reads, the params layout, and the pre-norm decoder
-layer. Qwen3 (`models.qwen3`) is this layer with per-head q/k norms.
+layer. Qwen3 (`models.qwen3`) is this layer with per-head q/k norms, Phi-3 (`models.phi3`)
+this model with fused checkpoint weights.
 
 Dimension legend (used in every shape comment and einsum string of the model modules):
     T  tokens in the flat, ragged step batch        S  sequences in the step

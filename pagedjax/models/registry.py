@@ -15,10 +15,10 @@ from collections.abc import Mapping
 from types import ModuleType
 from typing import Any
 
-from pagedjax.models import llama, qwen3
+from pagedjax.models import llama, phi3, qwen3
 from pagedjax.models.arch_config import DecoderArchConfig, architecture_name, hf_dict
 
-_MODULES = (llama, qwen3)
+_MODULES = (llama, qwen3, phi3)
 _MODELS: dict[str, ModuleType] = {
     name: module for module in _MODULES for name in module.SUPPORTED_ARCHITECTURES
 }
