@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from pagedjax.ops import choices
 
 if TYPE_CHECKING:  # jax-free at import time: the scheduler imports this module
-    from pagedjax.models.llama import LlamaArchConfig
+    from pagedjax.models.arch_config import DecoderArchConfig
 
 ALLOWED_BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -71,7 +71,7 @@ class ModelConfig:
     dtype: str
     seed: int
     max_model_len: int
-    arch: LlamaArchConfig
+    arch: DecoderArchConfig
     attention_backend: str
     max_logprobs: int = 20
     download_dir: str | None = None

@@ -1,8 +1,9 @@
 """Log-likelihood of a text under the model: every position's next-token log-probability.
 
-For perplexity (`benchmarks/quality.py`) and tests. It runs `llama.forward` directly, not the
-sampler: one sequence, prefilled in chunks through a paged KV cache of its own (the engine's
-layout and dtype, a float8 one included), the LM head applied to every position.
+For perplexity (`benchmarks/quality.py`) and tests. It runs the model's `forward` (the
+registry's for the architecture) directly, not the sampler: one sequence, prefilled in chunks
+through a paged KV cache of its own (the engine's layout and dtype, a float8 one included),
+the LM head applied to every position.
 
 It sits above both `models` and `engine` (it packs its chunks with the engine's
 `input_batch.BatchBuilder`), so that the model package never imports the engine.
@@ -19,7 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pagedjax.executor.input_batch import BatchBuilder, SeqInput
-from pagedjax.models import llama
+from pagedjax.models import registry
+from pagedjax.models.arch_config import DecoderArchConfig
 from pagedjax.ops.attention import AttentionMetadata
 from pagedjax.ops.kv_cache import init_kv_cache, kv_cache_jnp_dtype, kv_cache_shape
 
@@ -33,17 +35,18 @@ def _chunk_logprobs(params, kv_cache, packed, targets, *, layout, cfg, backend, 
     """Log-probabilities [T] float32 of `targets` [T] after each token of one packed chunk."""
     a = layout.unpack(packed)
     md = AttentionMetadata.from_arrays(a, query_tile_size=tile, kv_chunk_pages=chunk_pages)
-    hidden, kv_cache = llama.forward(
+    model = registry.get_model(cfg.architecture)
+    hidden, kv_cache = model.forward(
         params, kv_cache, a["input_ids"], a["positions"], md, cfg=cfg, attention_backend=backend
     )  # [T, D]
-    logits = llama.compute_logits(params, hidden)  # [T, V] float32
+    logits = model.compute_logits(params, hidden)  # [T, V] float32
     logp = jax.nn.log_softmax(logits, axis=-1)
     return jnp.take_along_axis(logp, targets[:, None], axis=-1)[:, 0], kv_cache
 
 
 def token_logprobs(
     params: dict[str, Any],
-    cfg: llama.LlamaArchConfig,
+    cfg: DecoderArchConfig,
     token_ids: list[int] | np.ndarray,
     *,
     kv_cache_dtype: str = "auto",
@@ -54,7 +57,7 @@ def token_logprobs(
     """log p(token_ids[i + 1] | token_ids[: i + 1]) for every i, as float64 [n - 1].
 
     Args:
-        params, cfg: a `models.llama` params pytree (float or quantized) and its architecture.
+        params, cfg: a model's params pytree (float or quantized) and its architecture.
         token_ids: [n] the text, n >= 2 and at most the model's context.
         kv_cache_dtype: "auto" (the params' dtype) or a float8 name of `ops.kv_cache`.
         chunk_size: tokens per prefill chunk (a multiple of 16).

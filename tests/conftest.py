@@ -40,21 +40,28 @@ def make_tokenizer(folder: Path) -> None:
 
 
 def make_checkpoint(folder: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
-    """Writes a tiny random checkpoint of `arch` ("llama", "qwen2", "mistral") to `folder`."""
+    """Writes a tiny random checkpoint of `arch` ("llama", "qwen2", "mistral", "qwen3",
+    "phi3") to `folder`."""
     import torch
     from transformers import (
         LlamaConfig,
         LlamaForCausalLM,
         MistralConfig,
         MistralForCausalLM,
+        Phi3Config,
+        Phi3ForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
     )
 
     classes = {
         "llama": (LlamaConfig, LlamaForCausalLM),
         "qwen2": (Qwen2Config, Qwen2ForCausalLM),
         "mistral": (MistralConfig, MistralForCausalLM),
+        "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+        "phi3": (Phi3Config, Phi3ForCausalLM),
     }
     config_cls, model_cls = classes[arch]
     kw = dict(

@@ -83,6 +83,7 @@ CASES = {
         arch="llama", rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}
     ),
     "qwen2-bias": dict(arch="qwen2", num_key_value_heads=1),
+    "llama-attention-bias": dict(arch="llama", attention_bias=True),  # q/k/v and o biases
     "mistral-head-dim": dict(arch="mistral"),
 }
 

@@ -13,9 +13,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from pagedjax.models import quant_loader
+from pagedjax.models import quant_loader, registry
+from pagedjax.models.arch_config import DecoderArchConfig
 from pagedjax.models.hf_format import hf_config_dict
-from pagedjax.models.llama import LlamaArchConfig, param_shapes
 from pagedjax.models.sources import CONVERTED_MARKER
 from pagedjax.ops import cpu_linear, quant
 
@@ -42,7 +42,7 @@ def save_params(path: str | Path, params: dict[str, Any]) -> None:
 
 def restore_params(
     path: str | Path,
-    cfg: LlamaArchConfig,
+    cfg: DecoderArchConfig,
     dtype: str = "float32",
     sharding_for: Callable[[str], Any] | None = None,
     quant_method: str | None = None,
@@ -60,7 +60,7 @@ def restore_params(
     path = Path(path).absolute()
     if not path.exists():
         raise ValueError(f"params folder {str(path)!r} does not exist")
-    shapes = param_shapes(cfg)
+    shapes = registry.get_model(cfg.architecture).param_shapes(cfg)
     device = jax.devices()[0]
 
     def target(name, shape, leaf_dtype=None):
@@ -97,7 +97,7 @@ def restore_params(
 
 
 def save_converted(
-    out: str | Path, cfg: LlamaArchConfig, params: dict[str, Any], tokenizer, origin: str = ""
+    out: str | Path, cfg: DecoderArchConfig, params: dict[str, Any], tokenizer, origin: str = ""
 ) -> None:
     """Writes a reloadable folder: config.json, the tokenizer, params/ and a marker file.
     A running engine's params may be given: pre-packed weights are saved as [L, in, out]."""

@@ -1,6 +1,7 @@
 """Reading Hugging Face safetensors checkpoints: streaming their tensors (single file or
 sharded with an index; fp8 tensors through `quant_loader`) and routing each HF tensor name
-to its place in the params pytree (`assign_hf`)."""
+to its place in the params pytree (`assign_hf`). Fused projections (Phi-3's `qkv_proj` and
+`gate_up_proj`) are split on load into the usual q/k/v and gate/up weights."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from pathlib import Path
 import numpy as np
 
 from pagedjax.models import quant_loader
-from pagedjax.models.hf_format import HF_LAYER_NAMES
-from pagedjax.models.llama import LlamaArchConfig
+from pagedjax.models.arch_config import DecoderArchConfig
+from pagedjax.models.hf_format import HF_FUSED_LAYER_NAMES, HF_LAYER_NAMES
 from pagedjax.models.sources import safetensors_files
 from pagedjax.models.stacking import StackedParams
 
@@ -51,11 +52,15 @@ def hf_tensors(folder: str) -> Iterator[tuple[str, np.ndarray]]:
                     yield name, f.get_tensor(name)
 
 
-def assign_hf(stack: StackedParams, cfg: LlamaArchConfig, name: str, value) -> None:
+def assign_hf(stack: StackedParams, cfg: DecoderArchConfig, name: str, value) -> None:
     """Routes one HF tensor (torch layout [out, in]) to its place in the pytree."""
     if name.endswith("rotary_emb.inv_freq"):
         return  # a buffer some old checkpoints saved; recomputed from the config
-    if m := _HF_LAYER.match(name):
+    if (m := _HF_LAYER.match(name)) and m.group(2) in HF_FUSED_LAYER_NAMES:
+        layer = int(m.group(1))
+        for target, part in split_fused(stack, HF_FUSED_LAYER_NAMES[m.group(2)], value, name):
+            stack.set_layer(target, layer, part.T, name)
+    elif m:
         target, transpose = HF_LAYER_NAMES.get(m.group(2), (None, False))
         if target is None:
             raise ValueError(f"unexpected tensor {name!r} for this architecture")
@@ -69,3 +74,27 @@ def assign_hf(stack: StackedParams, cfg: LlamaArchConfig, name: str, value) -> N
             stack.set_global("lm_head", value.T, name)
     else:
         raise ValueError(f"unexpected tensor {name!r} for this architecture")
+
+
+def split_fused(
+    stack: StackedParams, targets: tuple[str, ...], value: np.ndarray, name: str
+) -> list[tuple[str, np.ndarray]]:
+    """Splits a fused projection [sum of outs, in] (torch layout) into its parts' rows, in
+    the order of `targets` (e.g. q_proj, k_proj, v_proj), each part as many rows as its
+    weight has output columns.
+
+    Raises:
+        ValueError: the fused tensor's rows are not the parts' total (the message names it),
+            or the architecture has no such weights.
+    """
+    layer_shapes = stack.shapes["layers"]
+    if any(t not in layer_shapes for t in targets):
+        raise ValueError(f"unexpected tensor {name!r} for this architecture")
+    sizes = [layer_shapes[t][-1] for t in targets]
+    if value.ndim != 2 or value.shape[0] != sum(sizes):
+        raise ValueError(
+            f"tensor {name!r} has shape {tuple(value.shape)}, expected ({sum(sizes)}, ...): "
+            f"{' + '.join(f'{t} {n}' for t, n in zip(targets, sizes, strict=True))} rows"
+        )
+    parts = np.split(value, np.cumsum(sizes)[:-1], axis=0)
+    return list(zip(targets, parts, strict=True))

@@ -1,10 +1,10 @@
 """The Hugging Face checkpoint format's names: each param's tensor name, and config.json.
 
 One table, `HF_LAYER_NAMES`, maps a decoder layer's tensor names (after
-`model.layers.<i>.`) to our params; the loader reads float checkpoints through it,
-`quant_loader` takes its linear modules (`HF_LINEAR_MODULES`) and `quant_export` writes
-checkpoints with it. `hf_config_dict` writes an architecture as a config.json dict.
-Jax-free.
+`model.layers.<i>.`) to our params; the loader reads float checkpoints through it (and
+through `HF_FUSED_LAYER_NAMES`, the fused tensors it splits), `quant_loader` takes its linear
+modules (`HF_LINEAR_MODULES`) and `quant_export` writes checkpoints with it.
+`hf_config_dict` writes an architecture as a config.json dict. Jax-free.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from pagedjax.models.llama import LlamaArchConfig
+    from pagedjax.models.arch_config import DecoderArchConfig
 
 # Tensor name under `model.layers.<i>.` -> (our layer param, stored [out, in]: transpose).
 HF_LAYER_NAMES = {
@@ -24,10 +24,19 @@ HF_LAYER_NAMES = {
     "self_attn.q_proj.bias": ("q_bias", False),
     "self_attn.k_proj.bias": ("k_bias", False),
     "self_attn.v_proj.bias": ("v_bias", False),
+    "self_attn.o_proj.bias": ("o_bias", False),
+    "self_attn.q_norm.weight": ("q_norm", False),  # Qwen3
+    "self_attn.k_norm.weight": ("k_norm", False),
     "post_attention_layernorm.weight": ("post_attn_norm", False),
     "mlp.gate_proj.weight": ("gate_proj", True),
     "mlp.up_proj.weight": ("up_proj", True),
     "mlp.down_proj.weight": ("down_proj", True),
+}
+# Fused tensors under `model.layers.<i>.` (Phi-3) -> the layer params their rows split into,
+# in order (`hf_checkpoint.split_fused`).
+HF_FUSED_LAYER_NAMES = {
+    "self_attn.qkv_proj.weight": ("q_proj", "k_proj", "v_proj"),
+    "mlp.gate_up_proj.weight": ("gate_proj", "up_proj"),
 }
 # The decoder's linear modules, "self_attn.q_proj" -> "q_proj" (their weights are transposed).
 HF_LINEAR_MODULES = {
@@ -39,7 +48,7 @@ HF_LINEAR_MODULES = {
 HF_TENSOR_NAMES = {ours: name for name, (ours, _) in HF_LAYER_NAMES.items()}
 
 
-def hf_config_dict(cfg: LlamaArchConfig, dtype: str) -> dict[str, Any]:
+def hf_config_dict(cfg: DecoderArchConfig, dtype: str) -> dict[str, Any]:
     """A Hugging Face style config.json dict of an architecture."""
     return {
         "architectures": [cfg.architecture],
@@ -51,6 +60,7 @@ def hf_config_dict(cfg: LlamaArchConfig, dtype: str) -> dict[str, Any]:
         "num_key_value_heads": cfg.num_key_value_heads,
         "head_dim": cfg.head_dim,
         "rms_norm_eps": cfg.rms_norm_eps,
+        "hidden_act": cfg.hidden_act,
         "rope_parameters": {
             "rope_type": "default",
             **cfg.rope_scaling_dict,

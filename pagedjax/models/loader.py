@@ -11,8 +11,9 @@ Each concern has its module; the names are re-exported here:
     tokenizer      the Hugging Face tokenizer of a source.
 
 Tensors are read one at a time and written into per-weight stacked host buffers
-([L, ...], the layout of `models.llama`), each sent to the device once complete, so the host
-never holds more than the checkpoint's memory map and one stacked weight.
+([L, ...], the layout of the architecture's model module, `models.registry`), each sent to
+the device once complete, so the host never holds more than the checkpoint's memory map and
+one stacked weight.
 
 A GGUF file is converted once into an orbax folder under the cache directory (dequantizing
 and building the tokenizer from GGUF metadata takes tens of seconds); later loads of the
@@ -39,11 +40,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pagedjax.models import quant_loader
+from pagedjax.models import quant_loader, registry
+from pagedjax.models.arch_config import DecoderArchConfig
 from pagedjax.models.checkpoint_io import restore_params, save_converted, save_params
 from pagedjax.models.gguf_file import assign_gguf, gguf_arch_config, gguf_reader, gguf_tensors
 from pagedjax.models.hf_checkpoint import assign_hf, hf_tensors
-from pagedjax.models.llama import LlamaArchConfig
 from pagedjax.models.sources import (
     CONVERTED_MARKER,
     DEFAULT_MODEL_NAME,
@@ -79,8 +80,9 @@ _CONVERSION_VERSION = 2  # bump when the layout of converted folders changes
 # ----------------------------------------------------------------------------- configs
 
 
-def load_arch_config(source: ModelSource) -> LlamaArchConfig:
-    """Reads the architecture hyper-parameters of a source.
+def load_arch_config(source: ModelSource) -> DecoderArchConfig:
+    """Reads the architecture hyper-parameters of a source (a config.json through
+    `registry.arch_config_from_hf`: the family's config class).
 
     Raises:
         ValueError: unsupported architecture (named), or a malformed config.
@@ -88,7 +90,7 @@ def load_arch_config(source: ModelSource) -> LlamaArchConfig:
     if source.kind == "gguf":
         return gguf_arch_config(gguf_reader(source.path))
     with open(Path(source.path) / "config.json") as f:
-        return LlamaArchConfig.from_hf_config(json.load(f))
+        return registry.arch_config_from_hf(json.load(f))
 
 
 def checkpoint_dtype(source: ModelSource) -> str:
@@ -114,13 +116,13 @@ def _default_place(sharding_for: Callable[[str], Any] | None):
 
 def load_params(
     source: ModelSource,
-    cfg: LlamaArchConfig,
+    cfg: DecoderArchConfig,
     dtype: str = "float32",
     sharding_for: Callable[..., Any] | None = None,
     quantization: str | None = None,
     kv_cache_dtype: str = "auto",
 ) -> dict[str, Any]:
-    """Loads a source's weights into the `models.llama` params pytree on the device.
+    """Loads a source's weights into its model's params pytree on the device.
 
     Args:
         source: from `resolve_model_source`.

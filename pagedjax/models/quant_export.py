@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from pagedjax.models.arch_config import DecoderArchConfig
 from pagedjax.models.hf_format import HF_LINEAR_MODULES, HF_TENSOR_NAMES, hf_config_dict
-from pagedjax.models.llama import LlamaArchConfig
 from pagedjax.models.quant_loader import AWQ_ORDER, GPTQ_ORDER, pack_int4_rows
 
 
@@ -91,7 +91,7 @@ def quantize_linear(
 
 def write_int4_checkpoint(
     out: str | Path,
-    cfg: LlamaArchConfig,
+    cfg: DecoderArchConfig,
     params: dict[str, Any],
     method: str,
     group_size: int = 128,
@@ -114,10 +114,11 @@ def write_int4_checkpoint(
     if "lm_head" in params:
         tensors["lm_head.weight"] = np.ascontiguousarray(np.asarray(params["lm_head"]).T)
     layers = params["layers"]
+    linear = set(HF_LINEAR_MODULES.values())
     for i in range(cfg.num_hidden_layers):
         prefix = f"model.layers.{i}."
-        for ours in ("input_norm", "post_attn_norm", "q_bias", "k_bias", "v_bias"):
-            if ours in layers:
+        for ours in layers:  # norms and biases, as they are
+            if ours in HF_TENSOR_NAMES and ours not in linear:
                 tensors[prefix + HF_TENSOR_NAMES[ours]] = np.asarray(layers[ours][i], np.float32)
         for hf, ours in HF_LINEAR_MODULES.items():
             w = np.asarray(layers[ours][i], np.float32)  # [in, out]

@@ -1,19 +1,33 @@
 """Which model module runs a checkpoint: Hugging Face architecture name -> model module.
 
 A model module is a file of pure functions over a params pytree with the same entry points
-as `models.llama`: its architecture config class (`ArchConfig`, with `from_hf_config`),
-`param_shapes`, `param_logical_axes`, `logical_unit_counts`, `forward`, `decoder_layers`,
-`final_norm` and `compute_logits`. The engine, the step function and the pipeline look a
-model up here by `arch.architecture` and never name a model module themselves.
+as `models.llama`: its architecture config class (`ArchConfig`, a
+`arch_config.DecoderArchConfig` with `from_hf_config`), `param_shapes`,
+`param_logical_axes`, `logical_unit_counts`, `forward`, `decoder_layers`, `final_norm` and
+`compute_logits`. The engine, the step function and the pipeline look a model up here by
+`arch.architecture` and never name a model module themselves; the loader reads a config.json
+through `arch_config_from_hf`, which picks the family from its `architectures[0]`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from types import ModuleType
+from typing import Any
 
-from pagedjax.models import llama
+from pagedjax.models import llama, phi3, qwen3
+from pagedjax.models.arch_config import DecoderArchConfig, architecture_name, hf_dict
 
-_MODELS: dict[str, ModuleType] = {name: llama for name in llama.SUPPORTED_ARCHITECTURES}
+_MODULES = (llama, qwen3, phi3)
+_MODELS: dict[str, ModuleType] = {
+    name: module for module in _MODULES for name in module.SUPPORTED_ARCHITECTURES
+}
+# config.json `model_type` -> architecture, for configs without `architectures`.
+_MODEL_TYPES: dict[str, str] = {
+    model_type: arch
+    for module in _MODULES
+    for model_type, arch in module.ArchConfig.MODEL_TYPES.items()
+}
 
 
 def supported_architectures() -> tuple[str, ...]:
@@ -34,3 +48,22 @@ def get_model(architecture: str) -> ModuleType:
         raise ValueError(
             f"architecture {architecture!r} is not supported; supported: {', '.join(_MODELS)}"
         ) from None
+
+
+def arch_config_from_hf(hf: Mapping[str, Any] | Any) -> DecoderArchConfig:
+    """The architecture of a Hugging Face config (config.json's dict or a
+    `PretrainedConfig`), read by the config class of the family its `architectures[0]` (else
+    its `model_type`) names.
+
+    Raises:
+        ValueError: an unregistered architecture (named), a malformed config, or a feature
+            the family does not support (named).
+    """
+    d = hf_dict(hf)
+    arch = architecture_name(d, _MODEL_TYPES)
+    if not arch:
+        raise ValueError(
+            f"config.json names no architecture (`architectures`) and its model_type "
+            f"{d.get('model_type')!r} is not supported; supported: {', '.join(_MODELS)}"
+        )
+    return get_model(arch).ArchConfig.from_hf_config(d)

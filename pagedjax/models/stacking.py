@@ -1,4 +1,5 @@
-"""Stacking per-layer checkpoint tensors into the `models.llama` params pytree.
+"""Stacking per-layer checkpoint tensors into a model's params pytree
+(`param_shapes` of the architecture's model module, `models.registry`).
 
 `StackedParams` is filled tensor by tensor (global weights, and one layer of a stacked
 [L, ...] weight at a time), checking names and shapes as it goes; each stacked weight is
@@ -14,15 +15,16 @@ from typing import Any
 
 import numpy as np
 
-from pagedjax.models.llama import LlamaArchConfig, param_shapes
+from pagedjax.models import registry
+from pagedjax.models.arch_config import DecoderArchConfig
 
 
 class StackedParams:
     """Fills the params pytree tensor by tensor, checking names and shapes as it goes."""
 
-    def __init__(self, cfg: LlamaArchConfig, dtype, place: Callable[[str, np.ndarray], Any]):
+    def __init__(self, cfg: DecoderArchConfig, dtype, place: Callable[[str, np.ndarray], Any]):
         self.cfg, self.dtype, self.place = cfg, np.dtype(dtype), place
-        self.shapes = param_shapes(cfg)
+        self.shapes = registry.get_model(cfg.architecture).param_shapes(cfg)
         self.params: dict[str, Any] = {"layers": {}}
         self._bufs: dict[str, np.ndarray] = {}
         self._filled: dict[str, set[int]] = {}

@@ -1,0 +1,255 @@
+"""Building blocks the decoder families share, as pure functions of their weights.
+
+RMSNorm (plain, or Gemma's 1 + w), RoPE (inverse frequencies with default / linear / llama3
+scaling, and the rotation), the attention call of a decoder layer (q/k/v projections with
+optional bias and per-head q/k RMSNorm, RoPE, the paged KV cache write and
+`ragged_paged_attention`, o_proj), gated MLPs, the embedding lookup, the LM head, and
+`scan_layers`, which runs a layer function over weights stacked on a leading L axis.
+
+Every linear layer goes through `ops.linear.linear(x, w, num_rows=...)`, so a weight may be
+plain, quantized or pre-packed (`ops.linear`); nothing here asks how a weight is stored.
+Weights are [in, out] (the transpose of torch.nn.Linear). The dimension legend is the one
+of `models.llama`: T tokens, D hidden, F MLP, N / K query / KV heads, H head dim, V vocab.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pagedjax.ops.attention import AttentionMetadata, ragged_paged_attention
+from pagedjax.ops.kv_cache import KVCache, is_quantized_cache, write_kv
+from pagedjax.ops.linear import layer_weights, linear, split_layers
+
+# ----------------------------------------------------------------------------- norms
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, *, offset: bool = False) -> jax.Array:
+    """RMSNorm (Zhang & Sennrich, 2019), computed in float32. x: [..., D]; weight: [D].
+
+    offset: scale by (1 + weight) computed in float32, as Gemma's RMSNorm (its weights are
+    stored around 0); otherwise by weight, in x's dtype, as Llama's.
+    """
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    if offset:
+        return (x32 * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
+    return weight * x32.astype(x.dtype)
+
+
+# ----------------------------------------------------------------------------- RoPE
+
+
+def rope_inv_freq(
+    head_dim: int, theta: float, scaling: Mapping[str, Any] | None = None
+) -> np.ndarray:
+    """Inverse RoPE frequencies [head_dim // 2] float32, with a checkpoint's scaling applied.
+
+    Default: theta ** (-2i / H) (Su et al., RoFormer, 2021). "linear": divided by `factor`.
+    "llama3": the wavelength-dependent scaling of Meta's Llama 3.1 release (as implemented by
+    Hugging Face's `_compute_llama3_parameters`): long wavelengths are divided by `factor`,
+    short ones kept, and the band in between interpolated smoothly.
+
+    scaling: None, or a dict with "rope_type" and that type's parameters (Hugging Face's
+    names), e.g. `DecoderArchConfig.rope_scaling_dict`.
+    """
+    H = head_dim
+    inv_freq = 1.0 / (theta ** (np.arange(0, H, 2, dtype=np.float64) / H))
+    scaling = scaling or {}
+    rope_type = scaling.get("rope_type", "default")
+    if rope_type == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif rope_type == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+        old_len = scaling.get("original_max_position_embeddings", 8192)
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = np.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv_freq = np.where(medium, smoothed, scaled)
+    elif rope_type != "default":
+        raise ValueError(f"rope_scaling type {rope_type!r} is not supported")
+    return inv_freq.astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotary embedding in the "rotate half" layout of Hugging Face's Llama.
+
+    x: [T, heads, H]; positions: [T] int32; inv_freq: [H // 2] float32. Returns x's shape/dtype.
+    """
+    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, H/2]
+    cos = jnp.cos(freqs)[:, None, :]  # [T, 1, H/2]
+    sin = jnp.sin(freqs)[:, None, :]
+    x32 = x.astype(jnp.float32)
+    x1, x2 = jnp.split(x32, 2, axis=-1)  # [T, heads, H/2] each
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+# ----------------------------------------------------------------------------- attention
+
+
+def attention(
+    w: Mapping[str, Any],
+    x: jax.Array,
+    positions: jax.Array,
+    kv_cache: KVCache,
+    layer_idx: jax.Array,
+    md: AttentionMetadata,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    inv_freq: jax.Array,
+    qk_norm_eps: float | None = None,
+    sm_scale: float | None = None,
+    attention_backend: str = "xla",
+    num_rows: jax.Array | int | None = None,
+) -> tuple[jax.Array, KVCache]:
+    """The attention block of one decoder layer over normed hidden states x [T, D].
+
+    Weights of `w` (one layer's): q_proj [D, N*H], k_proj / v_proj [D, K*H], o_proj
+    [N*H, D]; q_bias / k_bias / v_bias ([N*H], [K*H]) and o_bias [D] added when present;
+    q_norm / k_norm
+    [H], RMSNorm of each head before RoPE, when `qk_norm_eps` is given (Qwen3); k_scale /
+    v_scale, a float8 cache's scalar scales (1.0 when absent).
+
+    Args:
+        kv_cache: (k_cache, v_cache), each [layers, num_blocks, block_size, K, H]; the
+            layer's K/V are written at `md.slot_mapping` of layer `layer_idx`.
+        inv_freq: [H // 2] float32 (`rope_inv_freq`).
+        sm_scale: the softmax scale; None: 1 / sqrt(H).
+        attention_backend: `ops.attention`'s backend (static).
+        num_rows: the step's real token count, for the linear layers (`ops.linear.linear`).
+
+    Returns:
+        (the o_proj output [T, D] in x's dtype, the updated cache).
+    """
+    N, K, H = num_heads, num_kv_heads, head_dim
+    T = x.shape[0]
+    k_cache, v_cache = kv_cache
+
+    def proj(v, name):
+        return linear(v, w[name], num_rows=num_rows)
+
+    q = proj(x, "q_proj")  # [T, N*H]
+    k = proj(x, "k_proj")  # [T, K*H]
+    v = proj(x, "v_proj")
+    if "q_bias" in w:
+        q, k, v = q + w["q_bias"], k + w["k_bias"], v + w["v_bias"]
+    q, k, v = q.reshape(T, N, H), k.reshape(T, K, H), v.reshape(T, K, H)
+    if qk_norm_eps is not None:
+        q = rms_norm(q, w["q_norm"], qk_norm_eps)
+        k = rms_norm(k, w["k_norm"], qk_norm_eps)
+    q = apply_rope(q, positions, inv_freq)  # [T, N, H]
+    k = apply_rope(k, positions, inv_freq)  # [T, K, H]
+    # A float8 cache always gets explicit scalar scales (1.0 unless the checkpoint has them).
+    fp8_cache = is_quantized_cache(k_cache.dtype)
+    one = jnp.ones((), jnp.float32)
+    k_scale = w.get("k_scale", one) if fp8_cache else None
+    v_scale = w.get("v_scale", one) if fp8_cache else None
+    k_cache, v_cache = write_kv(
+        k_cache, v_cache, layer_idx, k, v, md.slot_mapping, k_scale, v_scale
+    )
+    attn = ragged_paged_attention(
+        q,
+        k_cache,
+        v_cache,
+        layer_idx,
+        md,
+        sm_scale=1.0 / math.sqrt(H) if sm_scale is None else sm_scale,
+        backend=attention_backend,
+        k_scale=k_scale,
+        v_scale=v_scale,
+    )  # [T, N, H]
+    out = proj(attn.reshape(T, N * H).astype(x.dtype), "o_proj")  # [T, D]
+    if "o_bias" in w:
+        out = out + w["o_bias"]
+    return out, (k_cache, v_cache)
+
+
+# ----------------------------------------------------------------------------- MLP
+
+_ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "silu": jax.nn.silu,
+    "swish": jax.nn.silu,
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+}
+
+
+def gated_mlp(
+    w: Mapping[str, Any],
+    x: jax.Array,
+    *,
+    activation: str = "silu",
+    num_rows: jax.Array | int | None = None,
+) -> jax.Array:
+    """down_proj(act(gate_proj(x)) * up_proj(x)): x [T, D] -> [T, D] (Shazeer, 2020).
+
+    activation: Hugging Face's `hidden_act` name: "silu" / "swish" (SwiGLU), "gelu" (erf),
+    "gelu_new" / "gelu_pytorch_tanh" (the tanh approximation; GeGLU).
+    """
+    act = _ACTIVATIONS[activation]
+    gate = linear(x, w["gate_proj"], num_rows=num_rows)  # [T, F]
+    up = linear(x, w["up_proj"], num_rows=num_rows)
+    return linear(act(gate) * up, w["down_proj"], num_rows=num_rows)
+
+
+# ----------------------------------------------------------------------------- embeddings
+
+
+def embed(params: Mapping[str, Any], input_ids: jax.Array) -> jax.Array:
+    """The embedding lookup: input_ids [T] int32 -> [T, D] in the params dtype."""
+    return params["embed_tokens"][input_ids]
+
+
+def compute_logits(
+    params: Mapping[str, Any], hidden: jax.Array, num_rows: jax.Array | int | None = None
+) -> jax.Array:
+    """LM head through `ops.linear.linear`: hidden [S, D] (already normed) -> logits [S, V]
+    float32. The head is params["lm_head"] (a plain [D, V] array, or a pre-packed one of
+    [1, D, V], `cpu_linear.pack_params`), else the transposed embedding matrix (tied).
+
+    num_rows: scalar int32 or None (all S): the real rows, which come first. A pre-packed head
+    multiplies only these (the rest: zeros); a plain one computes every row.
+    """
+    head = params.get("lm_head")
+    if head is None:  # tied embeddings
+        head = params["embed_tokens"].T  # [D, V]
+    return linear(hidden, head, num_rows=num_rows).astype(jnp.float32)
+
+
+# ----------------------------------------------------------------------------- layer stack
+
+LayerFn = Callable[[dict[str, Any], jax.Array, KVCache, jax.Array], tuple[jax.Array, KVCache]]
+
+
+def scan_layers(
+    layers: Mapping[str, Any], kv_cache: KVCache, h: jax.Array, layer_fn: LayerFn
+) -> tuple[jax.Array, KVCache]:
+    """Runs `layer_fn(w, h, kv_cache, layer_idx) -> (h, kv_cache)` over the layers whose
+    weights `layers` stacks on a leading axis (all L, or one pipeline stage's), by
+    `jax.lax.scan`; `w` is layer i's weights, pre-packed stacks read in place as
+    `ops.linear.LayerView`s (`ops.linear.split_layers`), and layer i of `layers` reads and
+    writes layer i of `kv_cache`."""
+    sliced, in_place = split_layers(layers)
+
+    def body(carry, xs):
+        h, kv = carry
+        w_slice, layer_idx = xs
+        return layer_fn(layer_weights(w_slice, in_place, layer_idx), h, kv, layer_idx), None
+
+    num_layers = jax.tree.leaves(sliced)[0].shape[0]
+    layer_ids = jnp.arange(num_layers, dtype=jnp.int32)
+    (h, kv_cache), _ = jax.lax.scan(body, (h, kv_cache), (sliced, layer_ids))
+    return h, kv_cache
