@@ -16,7 +16,9 @@ Two options of some model families, in every implementation:
                       loops at the first block a window reaches instead of masking from 0.
     logit soft-cap    (Gemma 2) scores = cap * tanh(scores / cap), after the softmax scale
                       and before the mask and softmax; a static Python float.
-Without either (None), every implementation runs exactly the code it runs without them.
+Off (None) they cost nothing: the reference, XLA and Pallas paths trace no window or cap
+code, and the native kernel reads a window operand of 0 (a scalar test per work item). A
+traced window costs its mask and loop-bound arithmetic even when its value is 0.
 
 Implementations (all share `tests/test_attention.py`):
     "reference"  `paged_attention_ref`: dense, per token, obviously right, memory-hungry.
