@@ -72,7 +72,7 @@ def _attn(q, k, v, md, backend, window=None, cap=None, k_scale=None, v_scale=Non
     )
 
 
-def _numpy_dense(q, k_cache, v_cache, seqs, scale, window=None, cap=None):
+def _numpy_dense(q, k_cache, v_cache, seqs, block_size, scale, window=None, cap=None):
     """Independent dense attention per sequence in float64, from the block ids and lengths
     alone: query position p sees keys max(0, p - window + 1) .. p (Hugging Face's
     `kv_idx > q_idx - sliding_window`); scores capped as cap * tanh(scores / cap)."""
@@ -113,7 +113,7 @@ def test_reference_equals_numpy_dense(window, cap):
     if cap is not None:
         q = q * CAP_Q_SCALE
     ref = np.asarray(_attn(q, k, v, md, "reference", window, cap))
-    dense = _numpy_dense(q, k, v, seqs, HEAD_DIM**-0.5, window, cap)
+    dense = _numpy_dense(q, k, v, seqs, 8, HEAD_DIM**-0.5, window, cap)
     np.testing.assert_allclose(ref, dense, atol=2e-5, rtol=1e-5)
     total = sum(n for _, n in spec)
     assert not ref[total:].any(), "padding rows must be zero"
@@ -123,7 +123,7 @@ def test_reference_equals_numpy_dense(window, cap):
         np.testing.assert_allclose(ref[:total], np.repeat(v_self, 2, axis=1), atol=1e-6)
     # The window and the cap matter in these cases: without them the result differs.
     if window is not None or cap is not None:
-        plain = _numpy_dense(q, k, v, seqs, HEAD_DIM**-0.5)
+        plain = _numpy_dense(q, k, v, seqs, 8, HEAD_DIM**-0.5)
         assert np.abs(plain - dense).max() > 1e-2
 
 
