@@ -1,6 +1,6 @@
-"""Ragged paged attention: the XLA path and the "cpu" path (native C++ decode rows) against
-the jnp reference over a grid of shapes, and the reference against a dense NumPy softmax
-computed independently."""
+"""Ragged paged attention: the XLA path and the "cpu" path (native C++ kernel) against the jnp
+reference over a grid of shapes, sliding windows, logit soft-caps and cache dtypes, and the
+reference against a dense float64 NumPy softmax computed independently."""
 
 from __future__ import annotations
 
@@ -55,14 +55,29 @@ def _case(
     return q, k_cache, v_cache, md, seqs, a
 
 
-@functools.partial(jax.jit, static_argnames=("backend",))
-def _attn(q, k, v, md, backend):
-    return ragged_paged_attention(q, k, v, 1, md, sm_scale=HEAD_DIM**-0.5, backend=backend)
+@functools.partial(jax.jit, static_argnames=("backend", "window", "cap"))
+def _attn(q, k, v, md, backend, window=None, cap=None, k_scale=None, v_scale=None):
+    return ragged_paged_attention(
+        q,
+        k,
+        v,
+        1,
+        md,
+        sm_scale=HEAD_DIM**-0.5,
+        backend=backend,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        sliding_window=window,
+        logit_soft_cap=cap,
+    )
 
 
-def _numpy_dense(q, k_cache, v_cache, seqs, block_size, scale):
-    """Independent dense attention per sequence, from the block ids and lengths alone."""
-    out = np.zeros(q.shape, np.float32)
+def _numpy_dense(q, k_cache, v_cache, seqs, block_size, scale, window=None, cap=None):
+    """Independent dense attention per sequence in float64, from the block ids and lengths
+    alone: query position p sees keys max(0, p - window + 1) .. p (Hugging Face's
+    `kv_idx > q_idx - sliding_window`); scores capped as cap * tanh(scores / cap)."""
+    q, k_cache, v_cache = (np.asarray(x, np.float64) for x in (q, k_cache, v_cache))
+    out = np.zeros(q.shape, np.float64)
     t0 = 0
     K = k_cache.shape[3]
     G = q.shape[1] // K
@@ -72,22 +87,44 @@ def _numpy_dense(q, k_cache, v_cache, seqs, block_size, scale):
         v = np.concatenate([v_cache[1, b] for b in s.block_ids])[:ctx]
         for i in range(n):
             pos = s.start + i
+            lo = max(0, pos - window + 1) if window else 0
             for h in range(q.shape[1]):
-                sc = k[: pos + 1, h // G] @ q[t0 + i, h] * scale
+                sc = k[lo : pos + 1, h // G] @ q[t0 + i, h] * scale
+                if cap is not None:
+                    sc = cap * np.tanh(sc / cap)
                 p = np.exp(sc - sc.max())
-                out[t0 + i, h] = (p / p.sum()) @ v[: pos + 1, h // G]
+                out[t0 + i, h] = (p / p.sum()) @ v[lo : pos + 1, h // G]
         t0 += n
     return out
 
 
-def test_reference_equals_numpy_dense():
+# Query scale of the soft-cap cases: scores of about +-20, so that caps of 30 and 50 bend them.
+CAP_Q_SCALE = 20.0
+
+
+@pytest.mark.parametrize(
+    "window,cap", [(None, None), (1, None), (5, None), (4, 30.0), (16, 50.0), (None, 30.0)]
+)
+def test_reference_equals_numpy_dense(window, cap):
+    """Hand-sized: prefill chunks from 0 and after a prefix, decode rows at block edges, a
+    window of one token (each query sees itself only) and one longer than some contexts."""
     spec = [(0, 5), (9, 1), (3, 7), (16, 1)]
     q, k, v, md, seqs, _ = _case(spec, 8, 2, 2)
-    ref = np.asarray(_attn(q, k, v, md, "reference"))
-    dense = _numpy_dense(np.asarray(q), np.asarray(k), np.asarray(v), seqs, 8, HEAD_DIM**-0.5)
-    np.testing.assert_allclose(ref, dense, atol=2e-5)
+    if cap is not None:
+        q = q * CAP_Q_SCALE
+    ref = np.asarray(_attn(q, k, v, md, "reference", window, cap))
+    dense = _numpy_dense(q, k, v, seqs, 8, HEAD_DIM**-0.5, window, cap)
+    np.testing.assert_allclose(ref, dense, atol=2e-5, rtol=1e-5)
     total = sum(n for _, n in spec)
     assert not ref[total:].any(), "padding rows must be zero"
+    if window == 1:  # a query sees only itself: its own value row
+        slots = np.asarray(md.slot_mapping[:total])
+        v_self = np.asarray(v)[1, slots // 8, slots % 8]  # [total, K, H]
+        np.testing.assert_allclose(ref[:total], np.repeat(v_self, 2, axis=1), atol=1e-6)
+    # The window and the cap matter in these cases: without them the result differs.
+    if window is not None or cap is not None:
+        plain = _numpy_dense(q, k, v, seqs, 8, HEAD_DIM**-0.5)
+        assert np.abs(plain - dense).max() > 1e-2
 
 
 # (cached_len, query_len) per sequence; block-size-relative lengths are filled in below.
@@ -102,10 +139,19 @@ def _grid(bs):
     }
 
 
-def _check_xla(spec, block_size, kv_heads, group, backend="xla", **kw):
+def _check_xla(
+    spec, block_size, kv_heads, group, backend="xla", window=None, cap=None, kv_dtype=None, **kw
+):
     q, k, v, md, _, a = _case(spec, block_size, kv_heads, group, seed=block_size + group, **kw)
-    ref = np.asarray(_attn(q, k, v, md, "reference"))
-    got = np.asarray(_attn(q, k, v, md, backend))
+    scales = {}
+    if kv_dtype is not None:  # a quantized cache: a cached value means value * scale
+        scales = dict(k_scale=jnp.float32(0.02), v_scale=jnp.float32(0.5))
+        k = (k / scales["k_scale"]).astype(kv_dtype)
+        v = (v / scales["v_scale"]).astype(kv_dtype)
+    if cap is not None:
+        q = q * CAP_Q_SCALE
+    ref = np.asarray(_attn(q, k, v, md, "reference", window, cap, **scales))
+    got = np.asarray(_attn(q, k, v, md, backend, window, cap, **scales))
     np.testing.assert_allclose(got, ref, atol=2e-5, rtol=1e-5)
     total = int(a["query_start_loc"][-1])
     assert total < q.shape[0], "the case must include padding tokens"
@@ -127,6 +173,111 @@ def test_xla_matches_reference(block_size, kv_heads, group, backend):
 @pytest.mark.parametrize("case", list(_grid(16)))
 def test_xla_matches_reference_case_by_case(block_size, kv_heads, group, case):
     _check_xla(_grid(block_size)[case], block_size, kv_heads, group)
+
+
+GQA = [(2, 1), (1, 3), (2, 4), (1, 8)]
+# (sliding window, soft cap, cache dtype); block size and GQA ratio take turns below. Windows
+# of 1 (each query sees itself), shorter than a block, one block, across chunk edges (40) and
+# longer than every context (1000).
+WINDOW_CAP = [
+    (1, None, None),
+    (5, 30.0, None),
+    (16, None, "float8_e4m3fn"),
+    (16, 50.0, None),
+    (40, None, None),
+    (1000, 30.0, None),
+    (None, 50.0, "float8_e5m2"),
+    (5, 50.0, "float8_e4m3fn"),
+]
+
+
+@pytest.mark.parametrize("backend", FAST_BACKENDS)
+@pytest.mark.parametrize(
+    "window,cap,kv_dtype,block_size,kv_heads,group",
+    [(*wc, (16, 32, 8)[i % 3], *GQA[i % 4]) for i, wc in enumerate(WINDOW_CAP)],
+)
+def test_window_and_cap_match_reference(
+    backend, window, cap, kv_dtype, block_size, kv_heads, group
+):
+    """The whole grid (prefill chunks with and without a prefix next to decode rows) in one
+    ragged batch, under a sliding window and/or a logit soft-cap, float32 or float8 pages."""
+    spec = [s for case in _grid(block_size).values() for s in case]
+    _check_xla(spec, block_size, kv_heads, group, backend, window, cap, kv_dtype, max_tokens=512)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", FAST_BACKENDS)
+@pytest.mark.parametrize("window", [None, 1, 5, 16, 1000])
+@pytest.mark.parametrize("cap", [None, 30.0, 50.0])
+def test_window_and_cap_match_reference_wide(backend, window, cap):
+    """Every window x cap; block size, GQA ratio and cache dtype take turns."""
+    i = [None, 1, 5, 16, 1000].index(window) + 5 * [None, 30.0, 50.0].index(cap)
+    block_size, (kv_heads, group) = (16, 32, 8)[i % 3], GQA[i % 4]
+    kv_dtype = (None, "float8_e4m3fn")[i % 2]
+    spec = [s for case in _grid(block_size).values() for s in case]
+    _check_xla(spec, block_size, kv_heads, group, backend, window, cap, kv_dtype, max_tokens=512)
+
+
+@pytest.mark.parametrize("backend", ["reference", *FAST_BACKENDS])
+def test_traced_window_in_a_scan_over_layers(backend):
+    """A per-layer window array, scanned over as Gemma 3 does: layer 0 with a window of 4,
+    layer 1 with 0 (full attention); each layer equals the reference with a static window."""
+    spec = [(0, 9), (20, 1), (13, 6), (40, 1)]
+    q, k, v, md, _, _ = _case(spec, 8, 2, 2, seed=11)
+
+    @jax.jit
+    def layers(q, k, v, md, windows):
+        def step(carry, xs):
+            layer, window = xs
+            out = ragged_paged_attention(
+                q, k, v, layer, md, sm_scale=0.25, backend=backend, sliding_window=window
+            )
+            return carry, out
+
+        return jax.lax.scan(step, None, (jnp.arange(2), windows))[1]
+
+    got = np.asarray(layers(q, k, v, md, jnp.array([4, 0], jnp.int32)))
+    for layer, window in enumerate([4, None]):
+        want = ragged_paged_attention(
+            q, k, v, layer, md, sm_scale=0.25, backend="reference", sliding_window=window
+        )
+        np.testing.assert_allclose(got[layer], np.asarray(want), atol=2e-5, rtol=1e-5)
+    full = ragged_paged_attention(q, k, v, 0, md, sm_scale=0.25, backend="reference")
+    assert np.abs(got[0] - np.asarray(full)).max() > 1e-2, "the window must matter"
+
+
+@pytest.mark.parametrize("backend", FAST_BACKENDS)
+def test_window_skips_blocks_before_it(backend):
+    """Under a window the fast paths do not read KV wholly before it: NaN pages there (a
+    poisoned cache) leave the output equal to the reference on a clean cache. A decode row and
+    a prefill chunk at position 300 with a window of 16 see positions 285 on; the pages of
+    positions below 256 (a whole number of every path's KV steps) are NaN."""
+    spec = [(300, 1), (300, 20)]
+    q, k, v, md, seqs, a = _case(spec, 16, 2, 2, chunk_pages=2, seed=5, max_tokens=64)
+    ref = np.asarray(_attn(q, k, v, md, "reference", 16))
+    poisoned = np.concatenate([s.block_ids[: 256 // 16] for s in seqs])
+    k = k.at[1, poisoned].set(jnp.nan)
+    v = v.at[1, poisoned].set(jnp.nan)
+    got = np.asarray(_attn(q, k, v, md, backend, 16))
+    np.testing.assert_allclose(got, ref, atol=2e-5, rtol=1e-5)
+    # A window of 64 reaches back to position 237: the poison is read.
+    assert np.isnan(np.asarray(_attn(q, k, v, md, backend, 64))).any()
+
+
+def test_bad_window_and_cap_are_value_errors():
+    q, k, v, md, _, _ = _case([(0, 2)], 8, 1, 1)
+    for bad in (dict(sliding_window=2.5), dict(sliding_window=jnp.ones(2, jnp.int32))):
+        with pytest.raises(ValueError, match="sliding_window"):
+            ragged_paged_attention(q, k, v, 1, md, sm_scale=1.0, **bad)
+    for bad in (0.0, -1.0, float("inf"), jnp.float32(30.0)):
+        with pytest.raises(ValueError, match="logit_soft_cap"):
+            ragged_paged_attention(q, k, v, 1, md, sm_scale=1.0, logit_soft_cap=bad)
+    # A window of 0 (or less) is full attention, as None.
+    full = ragged_paged_attention(q, k, v, 1, md, sm_scale=1.0, backend="reference")
+    zero = ragged_paged_attention(
+        q, k, v, 1, md, sm_scale=1.0, backend="reference", sliding_window=0
+    )
+    np.testing.assert_array_equal(np.asarray(zero), np.asarray(full))
 
 
 @pytest.mark.parametrize("tile,chunk_pages", [(1, 1), (4, 3), (32, 8)])
@@ -162,20 +313,26 @@ def test_decode_rows_in_blocks_or_whole_match_reference(contexts):
 
 
 @pytest.mark.parametrize(
-    "head_dim,dtype",
+    "head_dim,dtype,window,cap",
     [
-        (64, "float32"),
-        (24, "float32"),
-        (64, "bfloat16"),
-        (64, "float8_e4m3fn"),
-        (32, "float8_e5m2"),
+        (64, "float32", None, None),
+        (24, "float32", None, None),
+        (64, "bfloat16", None, None),
+        (64, "float8_e4m3fn", None, None),
+        (32, "float8_e5m2", None, None),
+        (64, "float32", 7, 30.0),
+        (24, "float32", 20, 50.0),
+        (64, "float8_e4m3fn", 33, None),
+        (32, "float8_e5m2", None, 30.0),
     ],
 )
-def test_native_kernel_matches_numpy(head_dim, dtype):
+def test_native_kernel_matches_numpy(head_dim, dtype, window, cap):
     """`cpu_attention.paged_attention` against a dense NumPy softmax: register-tiled head dims
     (64, 32) and the generic loop (24); float32, bfloat16 and float8 caches (with scales);
     scattered blocks; decode rows (one ending mid-block, a one-token context), a prefill chunk
-    after a cached prefix that spans two query tiles, a padding sequence and padding tokens."""
+    after a cached prefix that spans two query tiles, a padding sequence and padding tokens;
+    sliding windows (shorter than a block, across blocks) and logit soft-caps (the kernel's
+    vectorised tanh on both sides of its branch at |x| = 0.625, and its scalar tail)."""
     rng = np.random.default_rng(head_dim)
     L, NB, BS, K, G, B = 3, 48, 16, 2, 3, 8
     lens = np.array([37, 1, 64, 0, 100], np.int32)
@@ -192,23 +349,46 @@ def test_native_kernel_matches_numpy(head_dim, dtype):
     k_read = np.asarray(kc.astype(jnp.float32)) * (k_scale or 1.0)  # what the cache holds
     v_read = np.asarray(vc.astype(jnp.float32)) * (v_scale or 1.0)
     q = rng.standard_normal((T, K * G, head_dim), np.float32)
+    if cap is not None:
+        q *= CAP_Q_SCALE
     scale = head_dim**-0.5
     got = np.asarray(
         jax.jit(
-            lambda q, kc, vc, lens, qsl, tables: cpu_attention.paged_attention(
-                q, kc, vc, 2, lens, qsl, tables, sm_scale=scale, k_scale=k_scale, v_scale=v_scale
+            lambda q, kc, vc, lens, qsl, tables, window: cpu_attention.paged_attention(
+                q,
+                kc,
+                vc,
+                2,
+                lens,
+                qsl,
+                tables,
+                sm_scale=scale,
+                k_scale=k_scale,
+                v_scale=v_scale,
+                sliding_window=window,
+                logit_soft_cap=cap,
             )
-        )(jnp.asarray(q), kc, vc, jnp.asarray(lens), jnp.asarray(qsl), jnp.asarray(tables))
+        )(
+            jnp.asarray(q),
+            kc,
+            vc,
+            jnp.asarray(lens),
+            jnp.asarray(qsl),
+            jnp.asarray(tables),
+            jnp.int32(window or 0),  # traced
+        )
     )
     assert not got[qsl[-1] :].any(), "padding tokens must be zero"
     for s, (n, ql) in enumerate(zip(lens, qlens, strict=True)):
         for i in range(ql):
-            ctx = n - ql + i + 1  # positions the query sees
-            pos = np.arange(ctx)
+            ctx = n - ql + i + 1  # the query's position + 1
+            pos = np.arange(max(0, ctx - window) if window else 0, ctx)  # positions it sees
             ks = k_read[2, tables[s, pos // BS], pos % BS]  # [ctx, K, H]
             vs = v_read[2, tables[s, pos // BS], pos % BS]
             for h in range(K * G):
-                sc = ks[:, h // G] @ q[qsl[s] + i, h] * scale
+                sc = ks[:, h // G].astype(np.float64) @ q[qsl[s] + i, h] * scale
+                if cap is not None:
+                    sc = cap * np.tanh(sc / cap)
                 p = np.exp(sc - sc.max())
                 want = (p / p.sum()) @ vs[:, h // G]
                 np.testing.assert_allclose(got[qsl[s] + i, h], want, atol=2e-5, rtol=1e-5)

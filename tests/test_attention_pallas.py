@@ -1,8 +1,9 @@
 """The Pallas ragged paged-attention kernel against the jnp reference: a grid of context
 lengths, query lengths, GQA ratios and block sizes in one ragged batch per shape (padding
 tokens, padding sequence rows and empty sequences included); 16-bit queries; fp8 pages with
-scales; its lowering to the Triton GPU backend (checked without a GPU); the engine's greedy
-output with `attention_backend="pallas"`.
+scales; sliding windows (static and traced in a scan over layers, KV before them not read)
+and logit soft-caps; its lowering to the Triton GPU backend (checked without a GPU); the
+engine's greedy output with `attention_backend="pallas"`.
 
 On CPU the kernel runs in Pallas' interpreter (`interpret=True`); on a GPU the same tests run
 the compiled kernel."""
@@ -56,10 +57,19 @@ def _case(spec, block_size, kv_heads, group, head_dim, *, q_dtype="float32", see
     return q, k, v, md, int(a["query_start_loc"][-1])
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale",))
-def _reference(q, k, v, md, k_scale, v_scale, sm_scale):
+@functools.partial(jax.jit, static_argnames=("sm_scale", "window", "cap"))
+def _reference(q, k, v, md, k_scale, v_scale, sm_scale, window=None, cap=None):
     return paged_attention_reference(
-        q, k, v, LAYER, md, sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale
+        q,
+        k,
+        v,
+        LAYER,
+        md,
+        sm_scale=sm_scale,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        sliding_window=window,
+        logit_soft_cap=cap,
     )
 
 
@@ -82,12 +92,45 @@ def _grid(bs: int) -> list[tuple[int, int]]:
     ]
 
 
-def _check(spec, bs, kv_heads, group, head_dim=16, *, atol=2e-5, rtol=1e-5, **kw):
+def _check(
+    spec,
+    bs,
+    kv_heads,
+    group,
+    head_dim=16,
+    *,
+    atol=2e-5,
+    rtol=1e-5,
+    window=None,
+    cap=None,
+    kv_dtype=None,
+    **kw,
+):
     q, k, v, md, total = _case(spec, bs, kv_heads, group, head_dim, seed=bs * 10 + group)
     scale = head_dim**-0.5
-    ref = np.asarray(_reference(q, k, v, md, None, None, scale))
+    k_scale = v_scale = None
+    if kv_dtype is not None:  # fp8 pages: a cached value means value * scale
+        k_scale, v_scale = jnp.float32(0.02), jnp.float32(0.5)
+        k, v = (k / k_scale).astype(kv_dtype), (v / v_scale).astype(kv_dtype)
+    if cap is not None:
+        q = q * 20.0  # scores of about +-20: the cap bends them
+    ref = np.asarray(_reference(q, k, v, md, k_scale, v_scale, scale, window, cap))
     assert np.isfinite(ref).all()
-    got = np.asarray(paged_attention_pallas(q, k, v, LAYER, md, sm_scale=scale, **kw))
+    got = np.asarray(
+        paged_attention_pallas(
+            q,
+            k,
+            v,
+            LAYER,
+            md,
+            sm_scale=scale,
+            k_scale=k_scale,
+            v_scale=v_scale,
+            sliding_window=window,
+            logit_soft_cap=cap,
+            **kw,
+        )
+    )
     assert got.shape == q.shape and got.dtype == q.dtype
     assert total < q.shape[0] and md.seq_lens.shape[0] > len(spec), "needs padding rows"
     np.testing.assert_allclose(got, ref, atol=atol, rtol=rtol)
@@ -128,6 +171,73 @@ def test_pallas_matches_reference_wide(block_size, kv_heads, group, head_dim, ti
         block_m=tiles[0],
         kv_step_tokens=tiles[1],
     )
+
+
+@pytest.mark.parametrize(
+    "window,cap,kv_dtype,block_size,kv_heads,group",
+    [
+        (1, None, None, 16, 2, 1),
+        (5, 30.0, None, 32, 1, 3),
+        (16, 50.0, "float8_e4m3fn", 16, 2, 4),
+        (40, None, None, 8, 1, 8),
+        (1000, 30.0, None, 32, 2, 4),
+        (None, 50.0, "float8_e5m2", 16, 1, 3),
+    ],
+)
+def test_window_and_cap_match_reference(window, cap, kv_dtype, block_size, kv_heads, group):
+    """The grid under sliding windows (one token, shorter than a block, a block, across KV
+    steps, longer than every context) and logit soft-caps, float32 and fp8 pages; 32 KV tokens
+    per step, so the windows start the walk at later steps."""
+    spec = _grid(block_size) + [(150, 1), (120, 40)]
+    _check(
+        spec,
+        block_size,
+        kv_heads,
+        group,
+        window=window,
+        cap=cap,
+        kv_dtype=kv_dtype,
+        kv_step_tokens=32,
+    )
+
+
+def test_traced_window_in_a_scan_over_layers():
+    """A per-layer window array scanned over (Gemma 3): layer 0 with a window of 4, layer 1
+    with 0 (full attention), each equal to the reference with a static window."""
+    q, k, v, md, _ = _case([(0, 9), (20, 1), (13, 6), (40, 1)], 16, 2, 2, 16, seed=11)
+
+    @jax.jit
+    def layers(q, k, v, md, windows):
+        def step(carry, xs):
+            layer, window = xs
+            out = ragged_paged_attention(
+                q, k, v, layer, md, sm_scale=0.25, backend="pallas", sliding_window=window
+            )
+            return carry, out
+
+        return jax.lax.scan(step, None, (jnp.arange(2), windows))[1]
+
+    got = np.asarray(layers(q, k, v, md, jnp.array([4, 0], jnp.int32)))
+    for layer, window in enumerate([4, None]):
+        want = paged_attention_reference(q, k, v, layer, md, sm_scale=0.25, sliding_window=window)
+        np.testing.assert_allclose(got[layer], np.asarray(want), atol=2e-5, rtol=1e-5)
+
+
+def test_window_skips_steps_before_it():
+    """KV steps wholly before the window are not read: a decode row and a prefill chunk at
+    position 300 (window 16: positions 285 on) give the reference's clean-cache result with
+    the pages below position 256 NaN."""
+    spec = [(300, 1), (300, 20)]
+    q, k, v, md, _ = _case(spec, 16, 2, 2, 16, seed=5)
+    ref = np.asarray(_reference(q, k, v, md, None, None, 0.25, 16))
+    tables = np.asarray(md.block_tables)[: len(spec), : 256 // 16]
+    k = k.at[LAYER, tables.ravel()].set(jnp.nan)
+    v = v.at[LAYER, tables.ravel()].set(jnp.nan)
+    got = paged_attention_pallas(q, k, v, LAYER, md, sm_scale=0.25, sliding_window=16)
+    np.testing.assert_allclose(np.asarray(got), ref, atol=2e-5, rtol=1e-5)
+    # A window of 300 reaches back to position 1: the poison is read.
+    wide = paged_attention_pallas(q, k, v, LAYER, md, sm_scale=0.25, sliding_window=300)
+    assert np.isnan(np.asarray(wide)).any()
 
 
 @pytest.mark.parametrize("q_dtype,block_size", [("bfloat16", 16), ("float16", 4)])
@@ -173,20 +283,24 @@ def test_fp8_pages_with_scales(q_dtype, kv_dtype, atol):
 
 
 @pytest.mark.parametrize(
-    "head_dim,block_size,q_dtype,kv_dtype,block_m",
+    "head_dim,block_size,q_dtype,kv_dtype,block_m,window_cap",
     [
-        (128, 16, "bfloat16", "bfloat16", None),
-        (64, 128, "float16", "float16", 64),
-        (64, 32, "float32", "float32", None),
-        (128, 16, "bfloat16", "float8_e4m3fn", None),
-        (128, 64, "bfloat16", "float8_e5m2", 64),
+        (128, 16, "bfloat16", "bfloat16", None, False),
+        (64, 128, "float16", "float16", 64, False),
+        (64, 32, "float32", "float32", None, True),
+        (128, 16, "bfloat16", "float8_e4m3fn", None, False),
+        (128, 64, "bfloat16", "float8_e5m2", 64, True),
     ],
 )
-def test_kernel_lowers_for_cuda_triton(head_dim, block_size, q_dtype, kv_dtype, block_m):
-    """Cross-platform lowering (no GPU needed): the kernel becomes one Triton custom call."""
+def test_kernel_lowers_for_cuda_triton(
+    head_dim, block_size, q_dtype, kv_dtype, block_m, window_cap
+):
+    """Cross-platform lowering (no GPU needed): the kernel becomes one Triton custom call (with
+    a traced sliding window and a soft-cap in two cases)."""
     spec = [(0, 1), (40, 1), (0, 19), (33, 12)]
     q, k, v, md, _ = _case(spec, block_size, 2, 4, head_dim, q_dtype=q_dtype)
     k, v = k.astype(kv_dtype), v.astype(kv_dtype)
+    extra = dict(sliding_window=jnp.int32(8), logit_soft_cap=30.0) if window_cap else {}
 
     def f(q, k, v, md):
         return paged_attention_pallas(
@@ -200,6 +314,7 @@ def test_kernel_lowers_for_cuda_triton(head_dim, block_size, q_dtype, kv_dtype, 
             v_scale=2.0,
             interpret=False,
             block_m=block_m,
+            **extra,
         )
 
     try:

@@ -1,12 +1,17 @@
 """The step metadata of ragged paged attention, shared by every implementation.
 
 `AttentionMetadata` (built on the host by the runner, unpacked in the jitted step),
-`METADATA_FIELDS` (its array fields, in packed order) and `dequantize_pages` (a quantized
-cache's pages in float32). The implementations (`paged_attention_ref/xla/pallas`,
+`METADATA_FIELDS` (its array fields, in packed order), `dequantize_pages` (a quantized
+cache's pages in float32), and the two score modifiers of some model families:
+`window_start` (sliding-window attention) and `soft_cap` (attention-logit soft-capping),
+with the checks of their arguments. The implementations (`paged_attention_ref/xla/pallas`,
 `cpu_attention`) import these from here; `attention` dispatches to them.
 """
 
 from __future__ import annotations
+
+import math
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -78,3 +83,51 @@ def dequantize_pages(pages: jax.Array, scale: jax.Array | float | None) -> jax.A
     """Pages read from the cache, in float32 (times `scale` for a quantized cache)."""
     pages = pages.astype(jnp.float32)
     return pages if scale is None else pages * scale
+
+
+def check_sliding_window(window):
+    """The `sliding_window` argument of `ragged_paged_attention`, normalised: None for no
+    window (None, or a Python int <= 0), else the window as given (a positive Python int, or
+    an int32 scalar array, traced or not, in which a value <= 0 means no window).
+
+    Raises:
+        ValueError: a non-integer window, or an array that is not a scalar.
+    """
+    if window is None:
+        return None
+    if isinstance(window, numbers.Integral):
+        return int(window) if window > 0 else None
+    if jnp.ndim(window) != 0 or not jnp.issubdtype(jnp.result_type(window), jnp.integer):
+        raise ValueError(f"sliding_window must be an int or an integer scalar, not {window!r}")
+    return window
+
+
+def window_start(pos: jax.Array, window) -> jax.Array:
+    """The first KV position a query at `pos` attends to: `pos - window + 1` (at least 0)
+    under a sliding window of `window` tokens, the query's own included (Hugging Face's
+    convention: key j is visible when pos - window < j <= pos); 0 when `window` is None or
+    <= 0 (full causal attention). `window` may be traced."""
+    if window is None:
+        return jnp.zeros_like(pos)
+    w = jnp.asarray(window, jnp.int32)
+    return jnp.where(w > 0, jnp.maximum(pos - w + 1, 0), 0).astype(pos.dtype)
+
+
+def check_soft_cap(cap) -> float | None:
+    """The `logit_soft_cap` argument: None (no cap) or a positive finite Python number,
+    returned as a float.
+
+    Raises:
+        ValueError: anything else (a cap must be static: it selects code at trace time).
+    """
+    if cap is None:
+        return None
+    if not isinstance(cap, numbers.Real) or not math.isfinite(cap) or cap <= 0:
+        raise ValueError(f"logit_soft_cap must be None or a positive Python number, not {cap!r}")
+    return float(cap)
+
+
+def soft_cap(scores: jax.Array, cap: float | None) -> jax.Array:
+    """Attention-logit soft-capping (Gemma 2): `cap * tanh(scores / cap)` of the scaled
+    scores, before masking and softmax; the scores unchanged when `cap` is None."""
+    return scores if cap is None else cap * jnp.tanh(scores / cap)

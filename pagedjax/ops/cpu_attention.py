@@ -4,8 +4,10 @@
 through its block table, over XLA's intra-op thread pool; the XLA path
 (`paged_attention_xla`) must gather every KV chunk into a temporary before its dots, which on
 CPU costs more than the arithmetic. It is part of the "cpu" attention backend: decode rows and
-prefill chunks alike, one device (the custom call has no sharding rule). The library is built
-on first use (see `cpu_kernels`).
+prefill chunks alike, one device (the custom call has no sharding rule). A sliding window is a
+runtime operand (it may differ per layer inside a scan over layers) and the kernel skips the
+blocks before an item's windows; a logit soft-cap is an attribute. The library is built on
+first use (see `cpu_kernels`).
 """
 
 from __future__ import annotations
@@ -53,6 +55,8 @@ def paged_attention(
     sm_scale: float,
     k_scale: jax.Array | float | None = None,
     v_scale: jax.Array | float | None = None,
+    sliding_window: jax.Array | int | None = None,
+    logit_soft_cap: float | None = None,
     query_tile: int = QUERY_TILE,
 ) -> jax.Array:
     """Causal attention of each query token over its sequence's paged context (native CPU).
@@ -67,6 +71,11 @@ def paged_attention(
         block_tables: [S, B] int32 physical block ids; must cover each context.
         sm_scale: softmax scale.
         k_scale, v_scale: a float8 cache's scalar scales (None: 1.0).
+        sliding_window: a query at position p sees positions j with
+            p - sliding_window < j <= p; an int or an int32 scalar (may be traced); None or
+            <= 0: full causal attention.
+        logit_soft_cap: scores = cap * tanh(scores / cap) after the softmax scale; None:
+            none.
         query_tile: queries of one sequence per work item.
 
     Returns:
@@ -94,8 +103,10 @@ def paged_attention(
         seq_lens.astype(jnp.int32),
         query_start_loc.astype(jnp.int32),
         block_tables.astype(jnp.int32),
+        jnp.asarray(0 if sliding_window is None else sliding_window, jnp.int32).reshape(()),
         scales,
         jnp.asarray(_fp8_table(k_cache.dtype)),
         sm_scale=np.float32(sm_scale),
+        logit_soft_cap=np.float32(logit_soft_cap or 0.0),
         query_tile=np.int64(query_tile),
     )

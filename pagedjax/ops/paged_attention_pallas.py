@@ -28,6 +28,11 @@ unified Triton attention kernel):
   chunk's cached prefix are the same case.
 - fp8 pages are cast to the compute dtype after the load; the scalar K scale is folded into
   the softmax scale and the V scale is applied to the output.
+- Sliding window (a runtime scalar beside the layer index, so it may be traced): the walk
+  starts at the step holding the first position the window of the block's first row reaches,
+  and each row masks the positions before its own window. Logit soft-cap (static): the
+  scaled scores become cap * tanh(scores / cap) before the mask. Without them (None) the
+  kernel traces none of this (the window operand is then 0, unread).
 
 KV cache layout: the engine's `[L, num_blocks, block_size, K, H]` is read as is (a token's H
 values are contiguous; a head-major page layout `[L, num_blocks, K, block_size, H]` would give
@@ -50,7 +55,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pagedjax.ops.attention_metadata import AttentionMetadata
+from pagedjax.ops.attention_metadata import AttentionMetadata, soft_cap, window_start
 
 _NEG = -1e30  # finite "minus infinity": keeps the online softmax free of inf - inf
 Q_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -107,7 +112,7 @@ def _query_blocks(md: AttentionMetadata, num_tokens: int, block_q: int) -> jax.A
 
 def _kernel(
     blocks_ref,  # [NQB, 4] int32 (table row, first token, tokens, first position)
-    layer_ref,  # [1] int32
+    layer_ref,  # [2] int32 (layer, sliding window: <= 0 for none)
     scales_ref,  # [2] float32 (sm_scale * k_scale, v_scale)
     tables_ref,  # [S, B'] int32, B' a multiple of pages_per_step
     q_ref,  # [T, N, H]
@@ -119,6 +124,8 @@ def _kernel(
     block_m: int,
     pages_per_step: int,
     compute_dtype,
+    windowed: bool,
+    logit_soft_cap: float | None,
 ):
     i = pl.program_id(0)
     kv_head = pl.program_id(1)
@@ -145,6 +152,11 @@ def _kernel(
         q_pos = first_pos + tok  # [BLOCK_M]
         kv_end = first_pos + q_len  # KV tokens the block's last row attends to
         num_steps = jnp.maximum(kv_end + step - 1, 0) // step
+        first_step = 0
+        if windowed:
+            window = layer_ref[1]
+            q_lo = window_start(q_pos, window)  # [BLOCK_M] first position each row sees
+            first_step = window_start(first_pos, window) // step
 
         def body(c, carry):
             m, l, acc = carry  # [BLOCK_M], [BLOCK_M], [BLOCK_M, H] float32
@@ -159,7 +171,9 @@ def _kernel(
             )  # [BLOCK_M, C]
             kv_pos = c * step + jnp.arange(step, dtype=jnp.int32)  # [C]
             mask = kv_pos[None, :] <= q_pos[:, None]  # [BLOCK_M, C]
-            s = jnp.where(mask, s * qk_scale, _NEG)
+            if windowed:
+                mask &= kv_pos[None, :] >= q_lo[:, None]
+            s = jnp.where(mask, soft_cap(s * qk_scale, logit_soft_cap), _NEG)
             m_new = jnp.maximum(m, jnp.max(s, axis=1))  # [BLOCK_M]
             p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)  # [BLOCK_M, C]
             alpha = jnp.exp(m - m_new)  # [BLOCK_M]
@@ -179,7 +193,7 @@ def _kernel(
             jnp.zeros((block_m,), jnp.float32),
             jnp.zeros((block_m, head_dim), jnp.float32),
         )
-        _, l, acc = jax.lax.fori_loop(0, num_steps, body, init)
+        _, l, acc = jax.lax.fori_loop(first_step, num_steps, body, init)
         out = acc * (v_scale / jnp.maximum(l, 1e-30))[:, None]  # [BLOCK_M, H]
         o_ref[out_row, heads, :] = out.astype(o_ref.dtype)
 
@@ -224,6 +238,7 @@ def _check(q, k_cache, v_cache, sm_scale):
     jax.jit,
     static_argnames=(
         "sm_scale",
+        "logit_soft_cap",
         "block_m",
         "kv_step_tokens",
         "num_warps",
@@ -239,8 +254,10 @@ def _pallas_attention(
     md,
     k_scale,
     v_scale,
+    sliding_window,
     *,
     sm_scale: float,
+    logit_soft_cap: float | None,
     block_m: int | None,
     kv_step_tokens: int | None,
     num_warps: int,
@@ -264,7 +281,10 @@ def _pallas_attention(
     if B % pages:
         tables = jnp.pad(tables, ((0, 0), (0, pages - B % pages)))  # [S, B'] null-block pad
     blocks = _query_blocks(md, T, block_q)  # [NQB, 4]
-    layer = jnp.asarray(layer, jnp.int32).reshape(1)  # [1]
+    window = 0 if sliding_window is None else sliding_window
+    layer = jnp.stack(
+        [jnp.asarray(x, jnp.int32).reshape(()) for x in (layer, window)]
+    )  # [2] (layer, window)
     k_scale = 1.0 if k_scale is None else k_scale
     v_scale = 1.0 if v_scale is None else v_scale
     scales = jnp.stack(
@@ -279,6 +299,8 @@ def _pallas_attention(
         block_m=block_m,
         pages_per_step=pages,
         compute_dtype=_compute_dtype(q.dtype, k_cache.dtype),
+        windowed=sliding_window is not None,
+        logit_soft_cap=logit_soft_cap,
     )
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     out = pl.pallas_call(
@@ -304,6 +326,8 @@ def paged_attention_pallas(
     sm_scale: float,
     k_scale=None,
     v_scale=None,
+    sliding_window=None,
+    logit_soft_cap: float | None = None,
     block_m: int | None = None,
     kv_step_tokens: int | None = None,
     num_warps: int = 4,
@@ -315,6 +339,8 @@ def paged_attention_pallas(
     Reads `query_start_loc`, `seq_lens` and `block_tables` of `md` (not its tile fields).
 
     Args:
+        sliding_window, logit_soft_cap: as in `ragged_paged_attention` (the window an int or
+            an int32 scalar, may be traced; <= 0 or None: none; the cap a static float).
         block_m: rows per program (a power of two >= 16 and >= N // K; 16 is the smallest
             tile Triton's tensor-core dot takes); default `default_block_m`.
         kv_step_tokens: KV tokens per inner step (a power-of-two number of pages); default
@@ -338,7 +364,9 @@ def paged_attention_pallas(
         md,
         k_scale,
         v_scale,
+        sliding_window,
         sm_scale=float(sm_scale),
+        logit_soft_cap=None if logit_soft_cap is None else float(logit_soft_cap),
         block_m=block_m,
         kv_step_tokens=kv_step_tokens,
         num_warps=num_warps,

@@ -14,6 +14,12 @@ follows the longest context actually present rather than `max_model_len`:
    chunks: faster on CPU) up to the tile's last position, causally masked, and writes its
    rows back (a sequence's last token is written again, with the same value).
 
+Under a sliding window both loops start at the chunk holding the first position a window
+reaches (of the block's or tile's earliest query) rather than at 0, and mask the positions
+before each row's own window; the window may be traced (its loop bounds are data, like the
+context lengths). A logit soft-cap is applied to the scores of each chunk before the mask.
+Without a window and a cap (None) none of this is traced.
+
 Padding tokens and sequences produce zeros. The output is assembled in a buffer with
 `query_tile_size` spare rows, so that padding rows and tiles that run past T never touch a
 real row.
@@ -24,7 +30,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pagedjax.ops.attention_metadata import AttentionMetadata, dequantize_pages
+from pagedjax.ops.attention_metadata import (
+    AttentionMetadata,
+    dequantize_pages,
+    soft_cap,
+    window_start,
+)
 
 _NEG = -1e30  # finite "minus infinity": keeps the online softmax free of inf - inf
 DECODE_ROW_BLOCK = 8  # decode rows per block (each block loops to its own longest context)
@@ -41,7 +52,7 @@ def _online_update(m, l, acc, scores, mask, v):
     return m_new, l * alpha + p.sum(axis=-1), acc * alpha[..., None], p
 
 
-def _decode_rows(q, k_cache, v_cache, layer, md, sm_scale, k_scale, v_scale):
+def _decode_rows(q, k_cache, v_cache, layer, md, sm_scale, k_scale, v_scale, window, cap):
     """Attention of each sequence's last query token. Returns [S, K, G, H] float32.
 
     The rows are sorted by context length (longest first) and cut into blocks of R rows; each
@@ -49,7 +60,8 @@ def _decode_rows(q, k_cache, v_cache, layer, md, sm_scale, k_scale, v_scale):
     DECODE_ROW_BLOCK) read little more than the contexts there are when their lengths are
     ragged, and skip padding rows; one block of all rows has the fewest loop turns when the
     lengths are alike. The step picks the cheaper of the two from the lengths it has, counting
-    a loop turn as DECODE_TURN_COST_ROWS rows of work.
+    a loop turn as DECODE_TURN_COST_ROWS rows of work. Under a sliding window a block starts
+    at the chunk of its earliest window start.
     """
     T, N, H = q.shape
     K = k_cache.shape[3]
@@ -66,21 +78,31 @@ def _decode_rows(q, k_cache, v_cache, layer, md, sm_scale, k_scale, v_scale):
     block_size = k_cache.shape[2]
     P = md.kv_chunk_pages
     C = P * block_size
+    if window is not None:
+        # First position each row's window reaches; padding rows (length 0) start nowhere.
+        starts = window_start(seq_lens - 1, window)
+        first_chunk = jnp.where(seq_lens > 0, starts // C, jnp.iinfo(jnp.int32).max)  # [Sp]
 
     def blocked(R):
         def rows(b, out):
             lens = jax.lax.dynamic_slice_in_dim(seq_lens, b * R, R)  # [R]
             table = jax.lax.dynamic_slice_in_dim(tables, b * R, R)  # [R, B]
             qb = jax.lax.dynamic_slice_in_dim(qd, b * R, R)  # [R, K, G, H]
+            if window is not None:
+                lo = jax.lax.dynamic_slice_in_dim(starts, b * R, R)  # [R]
+                c0 = jax.lax.dynamic_slice_in_dim(first_chunk, b * R, R).min()
 
             def body(c, carry):
                 m, l, acc = carry
                 pages = jax.lax.dynamic_slice_in_dim(table, c * P, P, axis=1)  # [R, P]
                 kc = dequantize_pages(k_cache[layer, pages], k_scale).reshape(R, C, K, H)
                 vc = dequantize_pages(v_cache[layer, pages], v_scale).reshape(R, C, K, H)
-                scores = jnp.einsum("SKGH,SCKH->SKGC", qb, kc)
+                scores = soft_cap(jnp.einsum("SKGH,SCKH->SKGC", qb, kc), cap)
                 kpos = c * C + jnp.arange(C)
-                mask = (kpos[None, :] < lens[:, None])[:, None, None, :]  # [R, 1, 1, C]
+                mask = kpos[None, :] < lens[:, None]  # [R, C]
+                if window is not None:
+                    mask &= kpos[None, :] >= lo[:, None]
+                mask = mask[:, None, None, :]  # [R, 1, 1, C]
                 m, l, acc, p = _online_update(m, l, acc, scores, mask, vc)
                 return m, l, acc + jnp.einsum("SKGC,SCKH->SKGH", p, vc)
 
@@ -89,7 +111,8 @@ def _decode_rows(q, k_cache, v_cache, layer, md, sm_scale, k_scale, v_scale):
                 jnp.zeros((R, K, G), jnp.float32),
                 jnp.zeros((R, K, G, H), jnp.float32),
             )
-            _, l, acc = jax.lax.fori_loop(0, (lens[0] + C - 1) // C, body, init)
+            end = (lens[0] + C - 1) // C
+            _, l, acc = jax.lax.fori_loop(0 if window is None else c0, end, body, init)
             o = acc / jnp.maximum(l, 1e-30)[..., None]
             return jax.lax.dynamic_update_slice_in_dim(out, o, b * R, axis=0)
 
@@ -100,14 +123,20 @@ def _decode_rows(q, k_cache, v_cache, layer, md, sm_scale, k_scale, v_scale):
     else:
 
         def cost(r):  # loop turns x (rows per turn + the fixed cost of a turn)
-            turns = jnp.sum((seq_lens[::r] + C - 1) // C)
+            ends = (seq_lens[::r] + C - 1) // C
+            if window is None:
+                turns = jnp.sum(ends)
+            else:
+                turns = jnp.sum(jnp.maximum(ends - first_chunk.reshape(-1, r).min(axis=1), 0))
             return turns * (r + DECODE_TURN_COST_ROWS)
 
         out = jax.lax.cond(cost(R) < cost(Sp), lambda: blocked(R), lambda: blocked(Sp))
     return jnp.zeros((S, K, G, H), jnp.float32).at[order].set(out[:S])
 
 
-def _prefill_tiles(q_pad, out, k_cache, v_cache, layer, md, sm_scale, k_scale, v_scale):
+def _prefill_tiles(
+    q_pad, out, k_cache, v_cache, layer, md, sm_scale, k_scale, v_scale, window, cap
+):
     """Attention of the prefill tiles, written into `out` [T + Tq, N, H] float32."""
     _, N, H = q_pad.shape
     K = k_cache.shape[3]
@@ -128,15 +157,19 @@ def _prefill_tiles(q_pad, out, k_cache, v_cache, layer, md, sm_scale, k_scale, v
         qpos = jax.lax.dynamic_slice_in_dim(pos_pad, q0, Tq)  # [Tq]
         rows = jnp.arange(Tq) < q_len  # [Tq]
         table = tables[s]  # [B rounded up to P]
+        if window is not None:
+            lo = window_start(qpos, window)  # [Tq]; positions are consecutive from qpos[0]
 
         def chunk(c, carry):
             m, l, acc = carry
             pages = jax.lax.dynamic_slice_in_dim(table, c * P, P)  # [P]
             kc = dequantize_pages(k_cache[layer, pages], k_scale).reshape(C, K, H)
             vc = dequantize_pages(v_cache[layer, pages], v_scale).reshape(C, K, H)
-            scores = jnp.einsum("TKGH,CKH->KGTC", qt, kc)
+            scores = soft_cap(jnp.einsum("TKGH,CKH->KGTC", qt, kc), cap)
             kpos = c * C + jnp.arange(C)
             mask = (kpos[None, :] <= qpos[:, None]) & rows[:, None]  # [Tq, C]
+            if window is not None:
+                mask &= kpos[None, :] >= lo[:, None]
             m, l, acc, p = _online_update(m, l, acc, scores, mask[None, None], vc)
             return m, l, acc + jnp.einsum("KGTC,CKH->KGTH", p, vc)
 
@@ -145,7 +178,8 @@ def _prefill_tiles(q_pad, out, k_cache, v_cache, layer, md, sm_scale, k_scale, v
             jnp.zeros((K, G, Tq), jnp.float32),
             jnp.zeros((K, G, Tq, H), jnp.float32),
         )
-        _, l, acc = jax.lax.fori_loop(0, (kv_len + C - 1) // C, chunk, init)
+        c0 = 0 if window is None else lo[0] // C
+        _, l, acc = jax.lax.fori_loop(c0, (kv_len + C - 1) // C, chunk, init)
         o = acc / jnp.maximum(l, 1e-30)[..., None]  # [K, G, Tq, H]
         o = o.transpose(2, 0, 1, 3).reshape(Tq, N, H)
         cur = jax.lax.dynamic_slice_in_dim(out, q0, Tq, axis=0)
@@ -165,6 +199,8 @@ def paged_attention_xla(
     sm_scale: float,
     k_scale=None,
     v_scale=None,
+    sliding_window=None,
+    logit_soft_cap: float | None = None,
 ) -> jax.Array:
     """See `ops.attention.ragged_paged_attention`. q: [T, N, H] -> [T, N, H].
 
@@ -174,9 +210,12 @@ def paged_attention_xla(
     Tq = md.query_tile_size
     S = md.seq_lens.shape[0]
     out = jnp.zeros((T + Tq, N, H), jnp.float32)
-    decode = _decode_rows(q, k_cache, v_cache, layer, md, sm_scale, k_scale, v_scale)
+    extra = (sliding_window, logit_soft_cap)
+    decode = _decode_rows(q, k_cache, v_cache, layer, md, sm_scale, k_scale, v_scale, *extra)
     decode = decode.reshape(S, N, H)
     out = out.at[md.last_token_index].set(decode)
     q_pad = jnp.pad(q, ((0, Tq), (0, 0), (0, 0)))
-    out = _prefill_tiles(q_pad, out, k_cache, v_cache, layer, md, sm_scale, k_scale, v_scale)
+    out = _prefill_tiles(
+        q_pad, out, k_cache, v_cache, layer, md, sm_scale, k_scale, v_scale, *extra
+    )
     return out[:T].astype(q.dtype)

@@ -16,6 +16,13 @@
 // block read once serves every query and head of the item. Items are spread over XLA's
 // intra-op thread pool.
 //
+// Sliding window (a runtime operand, so that it may differ per layer inside a scan): a query
+// at position p sees positions j with p - window < j <= p; an item starts at the block of its
+// first query's window start, so blocks wholly before every window of the item are never
+// read, and its score rows cover only the positions from that block on. 0: full attention.
+// Logit soft-cap (an attribute, 0 for none): scores = cap * tanh(scores / cap) before the
+// max, as in Gemma 2.
+//
 // Built on first use by pagedjax/ops/cpu_attention.py (g++ -O3 -march=native).
 
 #include <algorithm>
@@ -59,6 +66,18 @@ inline v8 Exp(v8 x) {
   return underflow ? v8{} : scaled;
 }
 
+// tanh(x) of 8 floats: Cephes' odd polynomial (tanhf) for |x| < 0.625; above it
+// (1 - e) / (1 + e) with e = exp(-2|x|) (no cancellation there: e < 0.29), the sign restored.
+inline v8 Tanh(v8 x) {
+  const v8 a = x < 0.0f ? -x : x;
+  const v8 e = Exp(-2.0f * a);
+  const v8 big = (1.0f - e) / (1.0f + e);
+  const v8 s = x * x;
+  const v8 small = ((((-5.70498872745e-3f * s + 2.06390887954e-2f) * s - 5.37397155531e-2f) * s +
+                     1.33314422036e-1f) * s - 3.33332819422e-1f) * s * x + x;
+  return a < 0.625f ? small : (x < 0.0f ? -big : big);
+}
+
 struct Problem {
   const float* q;            // [T, N, H]
   const void* k;             // caches [L, NB, BS, K, H]
@@ -73,6 +92,8 @@ struct Problem {
   int64_t T, S, N, H, K, G, B, NB, BS;
   float score_scale;         // sm_scale * k_scale
   float value_scale;         // v_scale
+  int64_t window;            // > 0: sliding window of this many positions; else full
+  float soft_cap;            // > 0: scores = soft_cap * tanh(scores / soft_cap)
 };
 
 // A work item: queries [q0, q0 + nq) of sequence s (indices within the sequence's queries).
@@ -106,8 +127,9 @@ const float* BlockRows(const Problem& p, const void* cache, int64_t page, int64_
 }
 
 // One item. Query i of the sequence sits at position len - qlen + i and attends to positions
-// [0, that]; the item reads the context up to its last query's position. Scores, weights and
-// accumulators are kept per row r = qi * N + n. Head dim in 8-float vectors: a compile-time
+// [0, that] (under a window: [that - window + 1, that]); the item reads the context from the
+// block of its first query's first position up to its last query's position. Scores,
+// weights and accumulators are kept per row r = qi * N + n. Head dim in 8-float vectors: a compile-time
 // HV lets the compiler keep a query (pass 1) or an accumulator (pass 2) in registers; HV = 0
 // is the generic path (any head dim, scalar loops).
 template <int HV>
@@ -122,10 +144,16 @@ void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch) {
     std::fill(out, out + nq * N * H, 0.0f);
     return;
   }
+  auto start = [&](int64_t qi) {  // first position query qi sees
+    return p.window > 0 ? std::max<int64_t>(first_pos + qi - p.window + 1, 0) : int64_t{0};
+  };
+  const int64_t first_block = std::min(start(0), ctx - 1) / BS;
+  const int64_t base = first_block * BS;  // position of the first row read
+  const int64_t width = ctx - base;       // positions a score row holds
   const int64_t R = nq * N;
-  scratch.resize(R * ctx + R * H + R + BS * KH);
-  float* scores = scratch.data();  // [R, ctx]
-  float* acc = scores + R * ctx;   // [R, H]
+  scratch.resize(R * width + R * H + R + BS * KH);
+  float* scores = scratch.data();  // [R, width], position pos at column pos - base
+  float* acc = scores + R * width; // [R, H]
   float* inv = acc + R * H;        // [R]
   float* tmp = inv + R;            // [BS, K * H] a converted block
   const float* q = p.q + (p.qsl[s] + it.q0) * N * H;
@@ -145,29 +173,30 @@ void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch) {
     for (int64_t b = 0; b < rows * KH * elem_bytes; b += 64) __builtin_prefetch(base + b);
   };
 
-  // Walks the item's blocks of one cache: visit(r, rows, kv, pos0) for each row r = qi * N + n
-  // that sees `rows` > 0 positions of the block starting at position pos0, kv pointing at the
-  // block's first row of head n's KV head (rows K * H floats apart).
+  // Walks the item's blocks of one cache: visit(r, t0, t1, kv, pos0) for each row
+  // r = qi * N + n that sees rows [t0, t1) (t1 > t0) of the block starting at position pos0,
+  // kv pointing at the block's first row of head n's KV head (rows K * H floats apart).
   auto for_each_block = [&](const void* cache, auto&& visit) {
-    for (int64_t j = 0; j < num_blocks; ++j) {
+    for (int64_t j = first_block; j < num_blocks; ++j) {
       prefetch(cache, j + 1);
       const float* block = BlockRows(p, cache, page_of(j), std::min(BS, ctx - j * BS), tmp);
       for (int64_t qi = 0; qi < nq; ++qi) {
-        const int64_t rows = std::min(BS, visible(qi) - j * BS);
-        if (rows <= 0) continue;
-        for (int64_t n = 0; n < N; ++n) visit(qi * N + n, rows, block + (n / G) * H, j * BS);
+        const int64_t t0 = std::max<int64_t>(start(qi) - j * BS, 0);
+        const int64_t t1 = std::min(BS, visible(qi) - j * BS);
+        if (t1 <= t0) continue;
+        for (int64_t n = 0; n < N; ++n) visit(qi * N + n, t0, t1, block + (n / G) * H, j * BS);
       }
     }
   };
 
   // Pass 1: scores[r, pos] = (q_r . k_pos[n / G]) * scale for the positions r sees.
-  for_each_block(p.k, [&](int64_t r, int64_t rows, const float* kn, int64_t pos0) {
+  for_each_block(p.k, [&](int64_t r, int64_t t0, int64_t t1, const float* kn, int64_t pos0) {
     const float* qr = q + r * H;
-    float* sr = scores + r * ctx + pos0;
+    float* sr = scores + r * width + (pos0 - base);
     if constexpr (HV > 0) {
       v8 qv[HV];
       for (int i = 0; i < HV; ++i) qv[i] = Load(qr + 8 * i) * p.score_scale;
-      for (int64_t t = 0; t < rows; ++t) {
+      for (int64_t t = t0; t < t1; ++t) {
         const float* kr = kn + t * KH;
         v8 d0 = qv[0] * Load(kr), d1 = {};
         for (int i = 1; i < HV; ++i) {
@@ -177,28 +206,39 @@ void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch) {
         sr[t] = Sum(d0 + d1);
       }
     } else {
-      for (int64_t t = 0; t < rows; ++t) {
+      for (int64_t t = t0; t < t1; ++t) {
         float dot = 0.0f;
         for (int64_t h = 0; h < H; ++h) dot += qr[h] * kn[t * KH + h];
         sr[t] = dot * p.score_scale;
       }
     }
   });
-  // Softmax weights, unnormalised: exp(score - max); inv[r] = v_scale / their sum.
+  // Softmax weights, unnormalised: exp(score - max); inv[r] = v_scale / their sum. Row r's
+  // scores are columns [lo, hi) (the positions its query sees).
+  const float cap = p.soft_cap, inv_cap = cap > 0.0f ? 1.0f / cap : 0.0f;
   for (int64_t r = 0; r < R; ++r) {
-    const int64_t len = visible(r / N);
-    float* sr = scores + r * ctx;
-    float mx = sr[0];
-    for (int64_t i = 1; i < len; ++i) mx = std::max(mx, sr[i]);
+    const int64_t lo = start(r / N) - base, hi = visible(r / N) - base;
+    float* sr = scores + r * width;
+    if (hi <= lo) {  // a window past a clamped context (inconsistent metadata): zeros
+      inv[r] = 0.0f;
+      continue;
+    }
+    if (cap > 0.0f) {
+      int64_t i = lo;
+      for (; i + 8 <= hi; i += 8) Store(sr + i, cap * Tanh(Load(sr + i) * inv_cap));
+      for (; i < hi; ++i) sr[i] = cap * std::tanh(sr[i] * inv_cap);
+    }
+    float mx = sr[lo];
+    for (int64_t i = lo + 1; i < hi; ++i) mx = std::max(mx, sr[i]);
     v8 sum8 = {};
-    int64_t i = 0;
-    for (; i + 8 <= len; i += 8) {
+    int64_t i = lo;
+    for (; i + 8 <= hi; i += 8) {
       const v8 e = Exp(Load(sr + i) - mx);
       Store(sr + i, e);
       sum8 += e;
     }
     float sum = Sum(sum8);
-    for (; i < len; ++i) {
+    for (; i < hi; ++i) {
       sr[i] = std::exp(sr[i] - mx);
       sum += sr[i];
     }
@@ -206,19 +246,19 @@ void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch) {
   }
   // Pass 2: acc[r] = sum_pos w[r, pos] v_pos[n / G].
   std::fill(acc, acc + R * H, 0.0f);
-  for_each_block(p.v, [&](int64_t r, int64_t rows, const float* vn, int64_t pos0) {
-    const float* wr = scores + r * ctx + pos0;
+  for_each_block(p.v, [&](int64_t r, int64_t t0, int64_t t1, const float* vn, int64_t pos0) {
+    const float* wr = scores + r * width + (pos0 - base);
     float* ar = acc + r * H;
     if constexpr (HV > 0) {
       v8 a[HV];
       for (int i = 0; i < HV; ++i) a[i] = Load(ar + 8 * i);
-      for (int64_t t = 0; t < rows; ++t) {
+      for (int64_t t = t0; t < t1; ++t) {
         const float w = wr[t];
         for (int i = 0; i < HV; ++i) a[i] += w * Load(vn + t * KH + 8 * i);
       }
       for (int i = 0; i < HV; ++i) Store(ar + 8 * i, a[i]);
     } else {
-      for (int64_t t = 0; t < rows; ++t)
+      for (int64_t t = t0; t < t1; ++t)
         for (int64_t h = 0; h < H; ++h) ar[h] += wr[t] * vn[t * KH + h];
     }
   });
@@ -271,9 +311,10 @@ bool IsFloat8(ffi::DataType t) {
 ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_cache,
                           ffi::AnyBuffer v_cache, ffi::Buffer<ffi::S32> layer,
                           ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> query_start_loc,
-                          ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::F32> scales,
-                          ffi::Buffer<ffi::F32> fp8_lut, ffi::ResultBuffer<ffi::F32> out,
-                          float sm_scale, int64_t query_tile) {
+                          ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> window,
+                          ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::F32> fp8_lut,
+                          ffi::ResultBuffer<ffi::F32> out, float sm_scale, float logit_soft_cap,
+                          int64_t query_tile) {
   auto qd = q.dimensions();
   auto cd = k_cache.dimensions();
   if (qd.size() != 3 || cd.size() != 5 || block_tables.dimensions().size() != 2)
@@ -309,6 +350,8 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
   p.out = out->typed_data();
   p.score_scale = sm_scale * scales.typed_data()[0];
   p.value_scale = scales.typed_data()[1];
+  p.window = window.typed_data()[0];
+  p.soft_cap = logit_soft_cap;
 
   // Rows outside every sequence's queries (padding tokens) are zero.
   const int64_t NH = p.N * p.H;
@@ -347,8 +390,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedAttentionCpu, PagedAttention,
                                   .Arg<ffi::Buffer<ffi::S32>>()   // seq_lens [S]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // query_start_loc [S + 1]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // block_tables [S, B]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // window []: <= 0 full
                                   .Arg<ffi::Buffer<ffi::F32>>()   // scales [2]: k, v
                                   .Arg<ffi::Buffer<ffi::F32>>()   // fp8_lut [256]
                                   .Ret<ffi::Buffer<ffi::F32>>()   // out [T, N, H]
                                   .Attr<float>("sm_scale")
+                                  .Attr<float>("logit_soft_cap")  // 0: none
                                   .Attr<int64_t>("query_tile"));
