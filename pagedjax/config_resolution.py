@@ -76,14 +76,6 @@ def resolve_engine_config(args) -> EngineConfig:
             logger.warning("checkpoint dtype %s is not supported; using float32", dtype)
             dtype = "float32"
     max_model_len = args.max_model_len or arch.max_position_embeddings
-    if arch.sliding_window and max_model_len > arch.sliding_window:
-        if args.max_model_len:
-            raise ValueError(
-                f"max_model_len ({max_model_len}) must be <= the model's sliding_window "
-                f"({arch.sliding_window}): sliding-window attention is not supported"
-            )
-        logger.warning("max_model_len capped at the sliding window, %d tokens", arch.sliding_window)
-        max_model_len = arch.sliding_window
     if max_model_len > arch.max_position_embeddings:
         raise ValueError(
             f"max_model_len ({max_model_len}) must be <= the model's "

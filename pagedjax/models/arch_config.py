@@ -39,9 +39,10 @@ class DecoderArchConfig:
             `attention_bias`; not Qwen2).
         max_position_embeddings: the longest context the checkpoint was trained for.
         bos_token_id, eos_token_ids: special tokens from the config (eos may be several).
-        sliding_window: the attention window of Mistral-style checkpoints. Sliding-window
-            attention is not implemented: the engine caps max_model_len at the window, where
-            full attention is exact.
+        sliding_window: the attention window (tokens, the query's own included) of
+            sliding-window layers, or None.
+        sliding_layers: the indices of the layers that use `sliding_window` (Hugging Face's
+            `layer_types`); None: every layer, when there is a window.
         hidden_act: the gated MLP's activation (Hugging Face's name).
     """
 
@@ -68,6 +69,7 @@ class DecoderArchConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] | None = None
     hidden_act: str = "silu"
 
     def __post_init__(self):
@@ -96,6 +98,14 @@ class DecoderArchConfig:
     @property
     def rope_scaling_dict(self) -> dict[str, Any]:
         return dict(self.rope_scaling or ())
+
+    def layer_windows(self) -> tuple[int, ...]:
+        """The attention window of each of the L layers (0: full causal attention)."""
+        L, w = self.num_hidden_layers, self.sliding_window or 0
+        if not w or self.sliding_layers is None:
+            return (w,) * L
+        sliding = set(self.sliding_layers)
+        return tuple(w if i in sliding else 0 for i in range(L))
 
     @classmethod
     def from_hf_config(cls, hf: Mapping[str, Any] | Any) -> DecoderArchConfig:
@@ -149,11 +159,36 @@ class DecoderArchConfig:
             attention_bias=bool(d.get("attention_bias")),
             o_proj_bias=bool(d.get("attention_bias")),
             sliding_window=d.get("sliding_window") or None,
+            sliding_layers=_sliding_layers(d.get("layer_types"))
+            if d.get("sliding_window")
+            else None,
             max_position_embeddings=d.get("max_position_embeddings") or 2048,
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
             hidden_act=d.get("hidden_act") or "silu",
         )
+
+
+def _sliding_layers(layer_types) -> tuple[int, ...] | None:
+    """The sliding-window layers named by Hugging Face's `layer_types`, if the config has it."""
+    if not layer_types:
+        return None
+    return tuple(i for i, t in enumerate(layer_types) if t == "sliding_attention")
+
+
+def qwen_sliding_fields(d: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
+    """Qwen2 / Qwen3: a window only with `use_sliding_window`, on the layers from
+    `max_window_layers` on (transformers' rule, unless the config lists `layer_types`)."""
+    if not d.get("use_sliding_window") or not fields["sliding_window"]:
+        return {"sliding_window": None, "sliding_layers": None}
+    if fields["sliding_layers"] is None:
+        L = fields["num_hidden_layers"]
+        start = d.get("max_window_layers")
+        start = L if start is None else start
+        fields["sliding_layers"] = tuple(range(min(start, L), L))
+    if not fields["sliding_layers"]:
+        return {"sliding_window": None, "sliding_layers": None}
+    return {"sliding_layers": fields["sliding_layers"]}
 
 
 def hf_dict(hf: Mapping[str, Any] | Any) -> dict[str, Any]:

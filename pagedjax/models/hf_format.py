@@ -69,7 +69,18 @@ def hf_config_dict(cfg: DecoderArchConfig, dtype: str) -> dict[str, Any]:
         "tie_word_embeddings": cfg.tie_word_embeddings,
         "attention_bias": cfg.attention_bias,
         "max_position_embeddings": cfg.max_position_embeddings,
+        "sliding_window": cfg.sliding_window,
+        "use_sliding_window": bool(cfg.sliding_window),
         "bos_token_id": cfg.bos_token_id,
         "eos_token_id": list(cfg.eos_token_ids),
         "dtype": dtype,
+        **(
+            {
+                "layer_types": [
+                    "sliding_attention" if w else "full_attention" for w in cfg.layer_windows()
+                ]
+            }
+            if cfg.sliding_window
+            else {}
+        ),
     }

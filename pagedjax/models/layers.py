@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pagedjax.models.arch_config import DecoderArchConfig
 from pagedjax.ops.attention import AttentionMetadata, ragged_paged_attention
 from pagedjax.ops.kv_cache import KVCache, is_quantized_cache, write_kv
 from pagedjax.ops.linear import layer_weights, linear, split_layers
@@ -113,6 +114,8 @@ def attention(
     sm_scale: float | None = None,
     attention_backend: str = "xla",
     num_rows: jax.Array | int | None = None,
+    sliding_window: jax.Array | int | None = None,
+    logit_soft_cap: float | None = None,
 ) -> tuple[jax.Array, KVCache]:
     """The attention block of one decoder layer over normed hidden states x [T, D].
 
@@ -129,6 +132,8 @@ def attention(
         sm_scale: the softmax scale; None: 1 / sqrt(H).
         attention_backend: `ops.attention`'s backend (static).
         num_rows: the step's real token count, for the linear layers (`ops.linear.linear`).
+        sliding_window, logit_soft_cap: as `ops.attention.ragged_paged_attention` (None:
+            full attention, no cap).
 
     Returns:
         (the o_proj output [T, D] in x's dtype, the updated cache).
@@ -169,6 +174,8 @@ def attention(
         backend=attention_backend,
         k_scale=k_scale,
         v_scale=v_scale,
+        sliding_window=sliding_window,
+        logit_soft_cap=logit_soft_cap,
     )  # [T, N, H]
     out = proj(attn.reshape(T, N * H).astype(x.dtype), "o_proj")  # [T, D]
     if "o_bias" in w:
@@ -232,6 +239,22 @@ def compute_logits(
 # ----------------------------------------------------------------------------- layer stack
 
 LayerFn = Callable[[dict[str, Any], jax.Array, KVCache, jax.Array], tuple[jax.Array, KVCache]]
+
+
+def layer_window_fn(
+    cfg: DecoderArchConfig, layer_offset: jax.Array | int = 0
+) -> Callable[[jax.Array], jax.Array | int | None]:
+    """`fn(layer_idx)` -> the attention window of local layer `layer_idx` of a stack whose
+    first layer is the model's `layer_offset`: None when no layer has a window, a Python int
+    when every layer has the same one, else a traced int32 (0: full attention) read from
+    the per-layer table `cfg.layer_windows()`."""
+    windows = cfg.layer_windows()
+    if not any(windows):
+        return lambda layer_idx: None
+    if len(set(windows)) == 1:
+        return lambda layer_idx: windows[0]
+    table = jnp.asarray(windows, jnp.int32)
+    return lambda layer_idx: table[layer_offset + layer_idx]
 
 
 def scan_layers(

@@ -45,11 +45,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from pagedjax.models.arch_config import DecoderArchConfig
+from pagedjax.models.arch_config import DecoderArchConfig, qwen_sliding_fields
 from pagedjax.models.layers import (
     attention,
     embed,
     gated_mlp,
+    layer_window_fn,
     rms_norm,
     rope_inv_freq,
     scan_layers,
@@ -82,8 +83,7 @@ class LlamaArchConfig(DecoderArchConfig):
         fields = super()._hf_fields(d, arch)
         if arch == "Qwen2ForCausalLM":
             fields["attention_bias"], fields["o_proj_bias"] = True, False
-            if not d.get("use_sliding_window"):
-                fields["sliding_window"] = None
+            fields.update(qwen_sliding_fields(d, fields))
         return fields
 
 
@@ -208,10 +208,13 @@ def decoder_layers(
     cfg: DecoderArchConfig,
     attention_backend: str = "xla",
     qk_norm: bool = False,
+    layer_offset: jax.Array | int = 0,
 ) -> tuple[jax.Array, KVCache]:
     """The decoder layers whose weights `layers` holds (a leading axis of any length: all L
-    layers, or one pipeline stage's), over hidden states h [T, D]; layer i of `layers` reads
-    and writes layer i of `kv_cache` ([layers, num_blocks, block_size, K, H] each).
+    layers, or one pipeline stage's, whose first layer is the model's `layer_offset`), over
+    hidden states h [T, D]; layer i of `layers` reads and writes layer i of `kv_cache`
+    ([layers, num_blocks, block_size, K, H] each). A layer attends within its window
+    (`DecoderArchConfig.layer_windows`).
 
     Each layer is pre-norm: h += attention(rms_norm(h)); h += gated_mlp(rms_norm(h)).
     qk_norm: RMSNorm each query and key head before RoPE (`layers/q_norm`, `layers/k_norm`
@@ -224,6 +227,7 @@ def decoder_layers(
     inv_freq = jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict))
     num_rows = md.query_start_loc[-1]
     eps = cfg.rms_norm_eps
+    window = layer_window_fn(cfg, layer_offset)
 
     def layer(w, h, kv, layer_idx):
         a, kv = attention(
@@ -240,6 +244,7 @@ def decoder_layers(
             qk_norm_eps=eps if qk_norm else None,
             attention_backend=attention_backend,
             num_rows=num_rows,
+            sliding_window=window(layer_idx),
         )
         h = h + a
         x = rms_norm(h, w["post_attn_norm"], eps)

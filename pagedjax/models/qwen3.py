@@ -19,7 +19,7 @@ from typing import Any
 import jax
 
 from pagedjax.models import llama
-from pagedjax.models.arch_config import DecoderArchConfig
+from pagedjax.models.arch_config import DecoderArchConfig, qwen_sliding_fields
 from pagedjax.models.layers import compute_logits as compute_logits
 from pagedjax.models.layers import embed
 from pagedjax.models.llama import final_norm as final_norm
@@ -41,8 +41,7 @@ class Qwen3ArchConfig(DecoderArchConfig):
     @classmethod
     def _hf_fields(cls, d: dict[str, Any], arch: str) -> dict[str, Any]:
         fields = super()._hf_fields(d, arch)
-        if not d.get("use_sliding_window"):
-            fields["sliding_window"] = None
+        fields.update(qwen_sliding_fields(d, fields))
         return fields
 
 
@@ -92,6 +91,7 @@ def decoder_layers(
     *,
     cfg: DecoderArchConfig,
     attention_backend: str = "xla",
+    layer_offset: jax.Array | int = 0,
 ) -> tuple[jax.Array, KVCache]:
     """As `llama.decoder_layers`, with each query and key head RMS-normed before RoPE."""
     return llama.decoder_layers(
@@ -103,4 +103,5 @@ def decoder_layers(
         cfg=cfg,
         attention_backend=attention_backend,
         qk_norm=True,
+        layer_offset=layer_offset,
     )

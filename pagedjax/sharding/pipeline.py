@@ -55,6 +55,7 @@ def pipeline_decoder(
 
     def stage(layers, kv, h, metadata):
         s = jax.lax.axis_index(PIPELINE)
+        num_local = jax.tree.leaves(layers)[0].shape[0]  # this stage's layers
 
         def run(m, x, kv):
             md = AttentionMetadata(
@@ -70,6 +71,7 @@ def pipeline_decoder(
                 md,
                 cfg=cfg,
                 attention_backend=attention_backend,
+                layer_offset=s * num_local,
             )
 
         def tick(t, carry):
