@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import make_checkpoint
+from gguf_writer import write_gguf
 
 from pagedjax.models import loader
 from pagedjax.models.llama import param_shapes
@@ -140,70 +141,6 @@ def test_orbax_round_trip(tmp_path, tiny_llama_dir):
     qcfg = loader.load_arch_config(loader.resolve_model_source(str(other)))
     with pytest.raises(ValueError, match="q_bias"):
         loader.restore_params(out / "params", qcfg)
-
-
-def _llama_cpp_permute(w, n_head):
-    """llama.cpp's convert_hf_to_gguf reordering of Q/K rows, written out independently:
-    within each head, rows (i, i + H/2) become adjacent (2i, 2i + 1)."""
-    H = w.shape[0] // n_head
-    out = np.empty_like(w)
-    for h in range(n_head):
-        rows = w[h * H : (h + 1) * H]
-        out[h * H : (h + 1) * H : 2] = rows[: H // 2]
-        out[h * H + 1 : (h + 1) * H : 2] = rows[H // 2 :]
-    return out
-
-
-def write_gguf(path, hf_dir, quantize_ffn=False):
-    """Writes the tiny HF checkpoint as a llama GGUF file, the way llama.cpp lays it out."""
-    import gguf
-    from safetensors.numpy import load_file
-
-    cfg = json.loads((hf_dir / "config.json").read_text())
-    raw = load_file(str(hf_dir / "model.safetensors"))
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_rope_freq_base(10000.0)
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_vocab_size(cfg["vocab_size"])
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    names = {
-        "self_attn.q_proj": "attn_q",
-        "self_attn.k_proj": "attn_k",
-        "self_attn.v_proj": "attn_v",
-        "self_attn.o_proj": "attn_output",
-        "mlp.gate_proj": "ffn_gate",
-        "mlp.up_proj": "ffn_up",
-        "mlp.down_proj": "ffn_down",
-        "input_layernorm": "attn_norm",
-        "post_attention_layernorm": "ffn_norm",
-    }
-    w.add_tensor("token_embd.weight", raw["model.embed_tokens.weight"])
-    w.add_tensor("output_norm.weight", raw["model.norm.weight"])
-    w.add_tensor("output.weight", raw["lm_head.weight"])
-    for i in range(cfg["num_hidden_layers"]):
-        for hf, gg in names.items():
-            t = raw[f"model.layers.{i}.{hf}.weight"]
-            if gg == "attn_q":
-                t = _llama_cpp_permute(t, cfg["num_attention_heads"])
-            elif gg == "attn_k":
-                t = _llama_cpp_permute(t, cfg["num_key_value_heads"])
-            if quantize_ffn and gg == "ffn_up":
-                q = gguf.quants.quantize(t, gguf.GGMLQuantizationType.Q8_0)
-                w.add_tensor(f"blk.{i}.{gg}.weight", q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-            else:
-                w.add_tensor(f"blk.{i}.{gg}.weight", t)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
 
 
 def test_gguf_import_undoes_the_qk_permutation(tmp_path, tiny_llama_dir):

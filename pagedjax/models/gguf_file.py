@@ -1,6 +1,15 @@
-"""Reading GGUF files (llama architecture): the architecture from the metadata, the tensors
-dequantized to float32 by the `gguf` package, and the routing of GGUF tensor names into the
-params pytree (`assign_gguf`, undoing llama.cpp's Q/K row order).
+"""Reading GGUF files (llama, qwen2, qwen3, phi3 as llama.cpp's converter writes them): the
+architecture from the metadata, the tensors dequantized to float32 by the `gguf` package, and
+the routing of GGUF tensor names into the params pytree (`assign_gguf`).
+
+What differs between the architectures' files:
+    llama  Q/K rows reordered by the converter (its RoPE rotates adjacent pairs; undone here);
+    qwen2  q/k/v biases; rows stored as in Hugging Face (llama.cpp runs it with NeoX RoPE);
+    qwen3  per-head q/k norms (`attn_q_norm`, `attn_k_norm`), `attention.key_length` the head
+           dim; rows as in Hugging Face;
+    phi3   fused `attn_qkv` (q, k, v rows) and `ffn_up` holding gate then up rows, split on
+           load; a window on every layer when `attention.sliding_window` is not 0; LongRoPE
+           (`rope_factors_long` / `rope_factors_short` tensors) refused.
 
 Named `gguf_file` rather than `gguf` so that it is never mistaken for the `gguf` package.
 """
@@ -12,8 +21,21 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from pagedjax.models.llama import LlamaArchConfig
+from pagedjax.models import registry
+from pagedjax.models.arch_config import DecoderArchConfig
+from pagedjax.models.hf_checkpoint import split_fused
 from pagedjax.models.stacking import StackedParams
+
+# general.architecture -> the Hugging Face architecture of the family that runs it.
+GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+}
+# The architectures whose Q/K rows llama.cpp's converter reorders (its LlamaModel); the
+# others' converters write the Hugging Face rows as they are.
+_PERMUTED_QK = frozenset({"LlamaForCausalLM"})
 
 _GGUF_LAYER = re.compile(r"^blk\.(\d+)\.(.+)$")
 _GGUF_LAYER_NAMES = {
@@ -25,12 +47,24 @@ _GGUF_LAYER_NAMES = {
     "attn_q.bias": "q_bias",
     "attn_k.bias": "k_bias",
     "attn_v.bias": "v_bias",
+    "attn_output.bias": "o_bias",
+    "attn_q_norm.weight": "q_norm",  # qwen3
+    "attn_k_norm.weight": "k_norm",
     "ffn_norm.weight": "post_attn_norm",
     "ffn_gate.weight": "gate_proj",
     "ffn_up.weight": "up_proj",
     "ffn_down.weight": "down_proj",
 }
+# Fused tensors -> the layer params their rows split into, in order; by architecture.
+_GGUF_FUSED = {"attn_qkv.weight": ("q_proj", "k_proj", "v_proj")}
+_GGUF_FUSED_BY_ARCH = {"Phi3ForCausalLM": {"ffn_up.weight": ("gate_proj", "up_proj")}}
 _GGUF_GLOBAL = {"token_embd.weight": "embed_tokens", "output_norm.weight": "final_norm"}
+# Tensors that carry a RoPE variant this engine does not run.
+_UNSUPPORTED_TENSORS = {
+    "rope_freqs.weight": "Llama 3.1 RoPE scaling",
+    "rope_factors_long.weight": "Phi-3 LongRoPE",
+    "rope_factors_short.weight": "Phi-3 LongRoPE",
+}
 
 
 def gguf_reader(path: str):
@@ -44,40 +78,88 @@ def _field(reader, key: str, default=None):
     return default if field is None else field.contents()
 
 
-def gguf_arch_config(reader) -> LlamaArchConfig:
-    """The architecture a GGUF file's metadata describes.
+def gguf_arch_config(reader) -> DecoderArchConfig:
+    """The architecture a GGUF file's metadata describes, as its family's config class.
 
     Raises:
-        ValueError: an architecture other than llama, or Llama 3.1 RoPE scaling.
+        ValueError: an architecture other than those of `GGUF_ARCHITECTURES` (named), or a
+            feature the engine does not run (named): Llama 3.1 RoPE scaling, Phi-3 LongRoPE,
+            RoPE on part of each head, a RoPE scaling type other than linear.
     """
     arch = _field(reader, "general.architecture")
-    if arch != "llama":
-        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: llama")
-    names = {t.name for t in reader.tensors}
-    if "rope_freqs.weight" in names:
+    hf_arch = GGUF_ARCHITECTURES.get(arch)
+    if hf_arch is None:
         raise ValueError(
-            "GGUF tensor 'rope_freqs.weight' (Llama 3.1 RoPE scaling) is not supported"
+            f"GGUF architecture {arch!r} is not supported; supported: "
+            f"{', '.join(GGUF_ARCHITECTURES)}"
         )
+    names = {t.name for t in reader.tensors}
+    for name, what in _UNSUPPORTED_TENSORS.items():
+        if name in names:
+            raise ValueError(f"GGUF tensor {name!r} ({what}) is not supported")
+
+    def key(k, default=None):
+        return _field(reader, f"{arch}.{k}", default)
+
     embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
-    heads = int(_field(reader, "llama.attention.head_count"))
-    hidden = int(_field(reader, "llama.embedding_length"))
+    heads = int(key("attention.head_count"))
+    hidden = int(key("embedding_length"))
+    rope_dims = key("rope.dimension_count")
+    head_dim = int(key("attention.key_length") or rope_dims or hidden // heads)
+    if rope_dims is not None and int(rope_dims) != head_dim:
+        raise ValueError(
+            f"GGUF {arch}.rope.dimension_count {rope_dims} (RoPE on part of each head of "
+            f"{head_dim}) is not supported"
+        )
+    value_dim = key("attention.value_length")
+    if value_dim is not None and int(value_dim) != head_dim:
+        raise ValueError(
+            f"GGUF {arch}.attention.value_length {value_dim} differs from the key length "
+            f"{head_dim}; not supported"
+        )
+    window = int(key("attention.sliding_window", 0) or 0) if arch == "phi3" else 0
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
-    return LlamaArchConfig(
-        architecture="LlamaForCausalLM",
-        vocab_size=int(_field(reader, "llama.vocab_size", int(embd.shape[1]))),
+    fields = dict(
+        architecture=hf_arch,
+        vocab_size=int(key("vocab_size", int(embd.shape[1]))),
         hidden_size=hidden,
-        intermediate_size=int(_field(reader, "llama.feed_forward_length")),
-        num_hidden_layers=int(_field(reader, "llama.block_count")),
+        intermediate_size=int(key("feed_forward_length")),
+        num_hidden_layers=int(key("block_count")),
         num_attention_heads=heads,
-        num_key_value_heads=int(_field(reader, "llama.attention.head_count_kv", heads)),
-        head_dim=int(_field(reader, "llama.rope.dimension_count", hidden // heads)),
-        rms_norm_eps=float(_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(_field(reader, "llama.rope.freq_base", 10000.0)),
+        num_key_value_heads=int(key("attention.head_count_kv", heads)),
+        head_dim=head_dim,
+        rms_norm_eps=_f32(key("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=_f32(key("rope.freq_base", 10000.0)),
+        rope_scaling=_rope_scaling(arch, key),
         tie_word_embeddings="output.weight" not in names,
-        max_position_embeddings=int(_field(reader, "llama.context_length", 2048)),
+        attention_bias="blk.0.attn_q.bias" in names,
+        o_proj_bias="blk.0.attn_output.bias" in names,
+        max_position_embeddings=int(key("context_length", 2048)),
+        sliding_window=window or None,
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=(int(eos),) if eos is not None else (),
     )
+    return registry.get_model(hf_arch).ArchConfig(**fields)
+
+
+def _f32(x) -> float:
+    """A float32 metadata value as the decimal it was written from (1e-05, not
+    9.999999747378752e-06): the shortest decimal that rounds to the same float32."""
+    return float(str(np.float32(x)))
+
+
+def _rope_scaling(arch: str, key) -> tuple[tuple[str, object], ...] | None:
+    """`rope_scaling` items from `<arch>.rope.scaling.*`: none, or linear with its factor.
+
+    Raises:
+        ValueError: another scaling type (e.g. yarn), named.
+    """
+    kind = key("rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    if kind == "linear":
+        return (("factor", _f32(key("rope.scaling.factor", 1.0))), ("rope_type", "linear"))
+    raise ValueError(f"GGUF {arch}.rope.scaling.type {kind!r} is not supported; only linear")
 
 
 def gguf_tensors(path: str) -> Iterator[tuple[str, np.ndarray]]:
@@ -89,16 +171,23 @@ def gguf_tensors(path: str) -> Iterator[tuple[str, np.ndarray]]:
         yield t.name, dequantize(t.data, t.tensor_type)
 
 
-def assign_gguf(stack: StackedParams, cfg: LlamaArchConfig, name: str, value) -> None:
-    """Routes one GGUF tensor ([out, in] like torch once dequantized) to its place in the pytree."""
+def assign_gguf(stack: StackedParams, cfg: DecoderArchConfig, name: str, value) -> None:
+    """Routes one GGUF tensor ([out, in] like torch once dequantized) to its place in the
+    pytree: fused tensors split, llama's Q/K rows put back in Hugging Face's order."""
     if m := _GGUF_LAYER.match(name):
-        target = _GGUF_LAYER_NAMES.get(m.group(2))
+        layer, suffix = int(m.group(1)), m.group(2)
+        fused = _GGUF_FUSED_BY_ARCH.get(cfg.architecture, {}).get(suffix) or _GGUF_FUSED.get(suffix)
+        if fused is not None:
+            for target, part in split_fused(stack, fused, value, name):
+                stack.set_layer(target, layer, part.T, name)
+            return
+        target = _GGUF_LAYER_NAMES.get(suffix)
         if target is None:
             raise ValueError(f"unexpected tensor {name!r} in the GGUF file")
-        if target in ("q_proj", "k_proj"):
+        if target in ("q_proj", "k_proj") and cfg.architecture in _PERMUTED_QK:
             heads = cfg.num_attention_heads if target == "q_proj" else cfg.num_key_value_heads
             value = unpermute_gguf_qk(value, heads)
-        stack.set_layer(target, int(m.group(1)), value.T if value.ndim == 2 else value, name)
+        stack.set_layer(target, layer, value.T if value.ndim == 2 else value, name)
     elif name in _GGUF_GLOBAL:
         stack.set_global(_GGUF_GLOBAL[name], value, name)
     elif name == "output.weight":
@@ -108,9 +197,9 @@ def assign_gguf(stack: StackedParams, cfg: LlamaArchConfig, name: str, value) ->
 
 
 def unpermute_gguf_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
-    """Undoes llama.cpp's conversion-time reordering of Q/K rows.
+    """Undoes llama.cpp's conversion-time reordering of Q/K rows (llama files only).
 
-    llama.cpp's converter stores each head's rows with the two RoPE halves interleaved
+    llama.cpp's llama converter stores each head's rows with the two RoPE halves interleaved
     (row pairs (i, i + H/2) made adjacent) because its RoPE rotates adjacent pairs; this
     model rotates halves (Hugging Face's layout). w: [heads * H, D] -> the same shape.
     """

@@ -1,0 +1,91 @@
+"""Writing a tiny Hugging Face checkpoint as a GGUF file the way llama.cpp's converter lays it
+out (`write_gguf`): its metadata keys per architecture, the tensor names of the `gguf`
+package's own name map, and llama's Q/K row reordering (written out independently of the
+loader's inverse). Used by the GGUF loading tests."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+# config.json model_type -> the GGUF architecture llama.cpp's converter writes for it.
+GGUF_ARCH = {
+    "llama": "llama",
+    "mistral": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "phi3": "phi3",
+}
+
+
+def llama_cpp_permute(w, n_head):
+    """llama.cpp's convert_hf_to_gguf reordering of Q/K rows (llama only), written out
+    independently: within each head, rows (i, i + H/2) become adjacent (2i, 2i + 1)."""
+    H = w.shape[0] // n_head
+    out = np.empty_like(w)
+    for h in range(n_head):
+        rows = w[h * H : (h + 1) * H]
+        out[h * H : (h + 1) * H : 2] = rows[: H // 2]
+        out[h * H + 1 : (h + 1) * H : 2] = rows[H // 2 :]
+    return out
+
+
+def write_gguf(path, hf_dir, quantize_ffn=False, arch=None, extra_tensors=None):
+    """Writes the tiny HF checkpoint in `hf_dir` as a GGUF file at `path`.
+
+    Args:
+        quantize_ffn: store each layer's `ffn_up` as Q8_0.
+        arch: the GGUF architecture to name (default: the converter's for the model_type).
+        extra_tensors: {name: float32 array} written as well (tensors a file may carry).
+    """
+    import gguf
+    from safetensors.numpy import load_file
+
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    raw = load_file(str(hf_dir / "model.safetensors"))
+    model_arch = GGUF_ARCH[cfg["model_type"]]
+    arch = arch or model_arch
+    L, heads, hidden = cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["hidden_size"]
+    w = gguf.GGUFWriter(str(path), arch)
+    # TextModel.set_gguf_parameters
+    w.add_block_count(L)
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_rope_freq_base((cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    if cfg.get("head_dim") is not None:
+        w.add_key_length(cfg["head_dim"])
+        w.add_value_length(cfg["head_dim"])
+    if model_arch == "llama":  # LlamaModel
+        w.add_vocab_size(cfg["vocab_size"])
+        w.add_rope_dimension_count(cfg.get("head_dim") or hidden // heads)
+    elif model_arch == "phi3":  # Phi3MiniModel
+        w.add_rope_dimension_count(hidden // heads)
+        w.add_rope_scaling_orig_ctx_len(cfg["original_max_position_embeddings"])
+        w.add_sliding_window(cfg.get("sliding_window") or 0)
+    w.add_bos_token_id(cfg["bos_token_id"])
+    w.add_eos_token_id(cfg["eos_token_id"])
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[model_arch.upper()], L)
+    for name, t in raw.items():
+        gg = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert gg is not None, name
+        if model_arch == "llama" and gg.endswith("attn_q.weight"):
+            t = llama_cpp_permute(t, heads)
+        elif model_arch == "llama" and gg.endswith("attn_k.weight"):
+            t = llama_cpp_permute(t, cfg["num_key_value_heads"])
+        if quantize_ffn and gg.endswith("ffn_up.weight"):
+            q = gguf.quants.quantize(t, gguf.GGMLQuantizationType.Q8_0)
+            w.add_tensor(gg, q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(gg, t)
+    for name, t in (extra_tensors or {}).items():
+        w.add_tensor(name, t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

@@ -1,0 +1,143 @@
+"""GGUF files of the families beyond Llama (qwen2, qwen3, phi3), written from tiny Hugging
+Face checkpoints the way llama.cpp's converter lays them out (`gguf_writer`): the
+architecture and params equal the safetensors load, greedy generation through `LLM(file.gguf)`
+equals Hugging Face's on the same weights, and architectures or features without support are
+refused by name."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from conftest import hf_greedy, hf_model, make_checkpoint
+from gguf_writer import write_gguf
+
+from pagedjax import SamplingParams
+from pagedjax.models import loader
+
+CASES = {
+    # head_dim 32 with hidden 64 and 4 heads (the file's attention.key_length); tied head
+    "qwen3": dict(arch="qwen3", head_dim=32, tie_word_embeddings=True),
+    # fused attn_qkv and gate+up ffn_up (stored Q8_0); a window on every layer
+    "phi3": dict(arch="phi3", sliding_window=16),
+    "qwen2": dict(arch="qwen2"),  # q/k/v biases
+}
+QUANTIZED_FFN = {"phi3"}
+NEW_TOKENS = 8
+
+
+def _randomize_norms(folder, seed: int) -> None:
+    """Random RMSNorm weights around 1 (HF initializes them to ones), so that a norm routed
+    wrongly shows in the outputs."""
+    from safetensors.numpy import load_file, save_file
+
+    path = folder / "model.safetensors"
+    tensors = load_file(str(path))
+    rng = np.random.default_rng(seed)
+    for name, value in tensors.items():
+        if "norm" in name:
+            tensors[name] = (value + rng.normal(0.0, 0.3, value.shape)).astype(value.dtype)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+@pytest.fixture(scope="module")
+def gguf_cases(tmp_path_factory):
+    """name -> (HF folder, GGUF file of the same weights), written on first use."""
+    made = {}
+
+    def get(name):
+        if name not in made:
+            folder = make_checkpoint(tmp_path_factory.mktemp(name), seed=3, **CASES[name])
+            _randomize_norms(folder, seed=len(made))
+            path = write_gguf(
+                folder.parent / f"{name}.gguf", folder, quantize_ffn=name in QUANTIZED_FFN
+            )
+            made[name] = folder, path
+        return made[name]
+
+    return get
+
+
+def _load(path):
+    source = loader.resolve_model_source(str(path))
+    cfg = loader.load_arch_config(source)
+    return source, cfg, loader.load_params(source, cfg)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_gguf_loads_as_the_safetensors_checkpoint(gguf_cases, name):
+    folder, path = gguf_cases(name)
+    source, cfg, params = _load(path)
+    assert source.kind == "gguf"
+    _, ref_cfg, ref = _load(folder)
+    assert cfg == ref_cfg
+    got = dict(jax.tree_util.tree_leaves_with_path(params))
+    want = dict(jax.tree_util.tree_leaves_with_path(ref))
+    assert got.keys() == want.keys()
+    for k, w in want.items():
+        key = jax.tree_util.keystr(k)
+        g, w = np.asarray(got[k]), np.asarray(w)
+        if name in QUANTIZED_FFN and ("gate_proj" in key or "up_proj" in key):
+            # Q8_0: each value within its 32-block's scale / 127 (at most the max / 127)
+            np.testing.assert_allclose(g, w, atol=np.abs(w).max() / 127, err_msg=key)
+        else:
+            np.testing.assert_array_equal(g, w, err_msg=key)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "phi3"])
+def test_gguf_greedy_matches_hf(make_llm, gguf_cases, name, tmp_path):
+    """`LLM(file.gguf)` (converted once into the cache folder) against HF on the GGUF's own
+    weights (dequantized where stored Q8_0), prompts of up to 3 of phi3's windows."""
+    folder, path = gguf_cases(name)
+    if name in QUANTIZED_FFN:  # HF reads the same dequantized weights
+        folder = _with_gguf_weights(folder, path, tmp_path / "dequantized")
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, 259, size=n).tolist() for n in (3, 21, 50)]
+    hf = hf_model(folder)
+    want = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
+    llm = make_llm(path, tokenizer=str(folder), download_dir=str(tmp_path / "cache"), block_size=16)
+    greedy = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
+    for p, out, ref in zip(prompts, outs, want, strict=True):
+        assert out.outputs[0].token_ids == ref, f"{name}: prompt of {len(p)} tokens"
+
+
+def _with_gguf_weights(folder, path, out):
+    """A copy of HF checkpoint `folder` whose fused MLP weights are the GGUF file's
+    dequantized ones."""
+    import shutil
+
+    from gguf.quants import dequantize
+    from safetensors.numpy import load_file, save_file
+
+    from pagedjax.models.gguf_file import gguf_reader
+
+    shutil.copytree(folder, out)
+    tensors = dict(load_file(str(out / "model.safetensors")))
+    for t in gguf_reader(str(path)).tensors:
+        if t.name.endswith("ffn_up.weight"):
+            layer = int(t.name.split(".")[1])
+            tensors[f"model.layers.{layer}.mlp.gate_up_proj.weight"] = dequantize(
+                t.data, t.tensor_type
+            )
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "falcon", "qwen3moe"])
+def test_unsupported_gguf_architecture_is_named(tmp_path, tiny_llama_dir, arch):
+    path = write_gguf(tmp_path / f"{arch}.gguf", tiny_llama_dir, arch=arch)
+    with pytest.raises(ValueError, match=f"GGUF architecture '{arch}' is not supported"):
+        loader.load_arch_config(loader.resolve_model_source(str(path)))
+
+
+def test_phi3_longrope_gguf_is_refused(gguf_cases, tmp_path):
+    folder, _ = gguf_cases("phi3")
+    factors = np.ones(8, np.float32)
+    path = write_gguf(
+        tmp_path / "longrope.gguf",
+        folder,
+        extra_tensors={"rope_factors_long.weight": factors, "rope_factors_short.weight": factors},
+    )
+    with pytest.raises(ValueError, match="rope_factors_long.*LongRoPE"):
+        loader.load_arch_config(loader.resolve_model_source(str(path)))
