@@ -1,6 +1,12 @@
-"""Runs the tiny model under several device layouts on 8 simulated CPU devices and prints a
-JSON report (greedy outputs, per-device shard shapes). Started by tests/test_sharding.py in a
-subprocess, because XLA_FLAGS must be set before jax is imported."""
+"""Runs tiny models under several device layouts on 8 simulated CPU devices and prints a JSON
+report (greedy outputs, per-device shard shapes). Started by tests/test_sharding.py in a
+subprocess, because XLA_FLAGS must be set before jax is imported.
+
+Usage: sharding_worker.py FOLDER CACHE_DIR LAYOUTS [MODELS]: each of the comma-separated
+MODELS (keys of `MODELS`, default "llama") is written to FOLDER/<model> and run under each of
+the comma-separated LAYOUTS; the report is {model: {layout: ...}}, and for a model with a
+sliding window also {model: {"hf": HF's greedy tokens, "hf_full": the same weights' without
+the window}}."""
 
 from __future__ import annotations
 
@@ -26,6 +32,15 @@ LAYOUTS = {
     "int8": {"quantization": "int8"},
     "tp2-int8": {"quantization": "int8", "tensor_parallel_size": 2},
 }
+# `conftest.make_checkpoint` arguments of each model (2 layers, 4 query heads, 2 KV heads).
+MODELS = {
+    "llama": {},
+    "qwen3": dict(arch="qwen3", head_dim=32),  # per-head q/k norms, head_dim != D / N
+    # layer 0 full attention, layer 1 a 16-token window: under pp2, one on each stage
+    "qwen2-swa": dict(
+        arch="qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=1
+    ),
+}
 
 
 def shard_shapes(tree) -> dict[str, list[list[int]]]:
@@ -37,23 +52,30 @@ def shard_shapes(tree) -> dict[str, list[list[int]]]:
     return out
 
 
-def main(folder: str, cache_dir: str, layouts: list[str]) -> None:
+def hf_window_report(folder: Path, prompts: list[list[int]]) -> dict[str, list[list[int]]]:
+    """HF's greedy tokens with the checkpoint's window, and without it (full attention)."""
     import conftest
+    from transformers import AutoConfig, AutoModelForCausalLM
 
+    model = conftest.hf_model(folder)
+    config = AutoConfig.from_pretrained(str(folder))
+    config.use_sliding_window = False
+    config.layer_types = ["full_attention"] * config.num_hidden_layers
+    full = AutoModelForCausalLM.from_pretrained(str(folder), config=config).eval()
+    return {
+        "hf": [conftest.hf_greedy(model, p, 8) for p in prompts],
+        "hf_full": [conftest.hf_greedy(full, p, 8) for p in prompts],
+    }
+
+
+def run_model(folder: Path, cache_dir: str, layouts: list[str], prompts) -> dict:
     from pagedjax import LLM, SamplingParams
 
-    folder_p = Path(folder)
-    if not (folder_p / "config.json").exists():
-        conftest.make_checkpoint(folder_p)  # 4 query heads, 2 KV heads
-    rng = np.random.default_rng(0)
-    prompts = [
-        {"prompt_token_ids": rng.integers(3, 259, size=n).tolist()} for n in (1, 7, 33, 60, 90)
-    ]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     report = {}
     for name in layouts:
         llm = LLM(
-            folder,
+            str(folder),
             dtype="float32",
             max_model_len=128,
             max_num_batched_tokens=16,  # one bucket: prompts are chunked
@@ -64,7 +86,7 @@ def main(folder: str, cache_dir: str, layouts: list[str]) -> None:
             disable_log_stats=True,
             **LAYOUTS[name],
         )
-        outs = llm.generate(prompts, params, use_tqdm=False)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         eng = llm.llm_engine
         replicas = getattr(eng, "replicas", [eng])
         report[name] = {
@@ -80,8 +102,29 @@ def main(folder: str, cache_dir: str, layouts: list[str]) -> None:
                 for r in replicas
             ],
         }
+    return report
+
+
+def main(folder: str, cache_dir: str, layouts: list[str], models: list[str]) -> None:
+    import conftest
+
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 259, size=n).tolist() for n in (1, 7, 33, 60, 90)]
+    report = {}
+    for model in models:
+        model_dir = Path(folder) / model
+        if not (model_dir / "config.json").exists():
+            conftest.make_checkpoint(model_dir, **MODELS[model])
+        report[model] = run_model(model_dir, cache_dir, layouts, prompts)
+        if MODELS[model].get("sliding_window"):
+            report[model].update(hf_window_report(model_dir, prompts))
     print("REPORT " + json.dumps(report))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3].split(","))
+    main(
+        sys.argv[1],
+        sys.argv[2],
+        sys.argv[3].split(","),
+        sys.argv[4].split(",") if len(sys.argv) > 4 else ["llama"],
+    )
