@@ -409,3 +409,22 @@ def test_scoring_logprobs_have_the_final_cap(gemma_dirs, prompt45):
     want = ref[np.arange(len(prompt45) - 1), prompt45[1:]]
     got = token_logprobs(params, cfg, prompt45, chunk_size=16, attention_backend="reference")
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+
+
+def test_conversion_and_int8_keep_the_model(gemma_dirs, prompt45, tmp_path):
+    """A converted folder (`save_converted`: config.json from `hf_config_dict`, orbax params)
+    reloads as the same model; int8 weights (the linear layers quantized on load) run and
+    stay close to float."""
+    folder = gemma_dirs("gemma3-linear-rope")
+    cfg, params = _load(folder)
+    want = _forward_chunks(params, cfg, [prompt45], "reference")
+    loader.save_converted(tmp_path / "conv", cfg, params, tokenizer=None)
+    source = loader.resolve_model_source(str(tmp_path / "conv"))
+    assert source.kind == "orbax" and loader.load_arch_config(source) == cfg
+    got = _forward_chunks(loader.load_params(source, cfg, "float32"), cfg, [prompt45], "reference")
+    np.testing.assert_array_equal(got, want)
+    source = loader.resolve_model_source(str(folder))
+    q = loader.load_params(source, cfg, "float32", quantization="int8")
+    got = _forward_chunks(q, cfg, [prompt45], "reference")
+    err = np.abs(got - want)
+    assert err.mean() < 0.05 and err.max() < 0.5, (err.mean(), err.max())
