@@ -39,7 +39,7 @@ def _chunk_logprobs(params, kv_cache, packed, targets, *, layout, cfg, backend, 
     hidden, kv_cache = model.forward(
         params, kv_cache, a["input_ids"], a["positions"], md, cfg=cfg, attention_backend=backend
     )  # [T, D]
-    logits = model.compute_logits(params, hidden)  # [T, V] float32
+    logits = model.compute_logits(params, hidden, cfg=cfg)  # [T, V] float32
     logp = jax.nn.log_softmax(logits, axis=-1)
     return jnp.take_along_axis(logp, targets[:, None], axis=-1)[:, 0], kv_cache
 

@@ -44,6 +44,8 @@ class DecoderArchConfig:
         sliding_layers: the indices of the layers that use `sliding_window` (Hugging Face's
             `layer_types`); None: every layer, when there is a window.
         hidden_act: the gated MLP's activation (Hugging Face's name).
+        final_logit_softcap: logits = cap * tanh(logits / cap) after the LM head
+            (`layers.compute_logits`), or None (Gemma 2/3's `final_logit_softcapping`).
     """
 
     # The Hugging Face architectures a subclass runs, and config.json `model_type`s that
@@ -71,6 +73,7 @@ class DecoderArchConfig:
     sliding_window: int | None = None
     sliding_layers: tuple[int, ...] | None = None
     hidden_act: str = "silu"
+    final_logit_softcap: float | None = None
 
     def __post_init__(self):
         if self.architecture not in self.ARCHITECTURES:
@@ -94,6 +97,12 @@ class DecoderArchConfig:
                 f"hidden_act {self.hidden_act!r} is not supported; "
                 f"supported: {', '.join(SUPPORTED_ACTIVATIONS)}"
             )
+
+    def hf_config_extras(self) -> dict[str, Any]:
+        """What a family writes into config.json beyond `hf_format.hf_config_dict`'s shared
+        fields (and in place of them), so that the family's reader reads the same config
+        back; none here."""
+        return {}
 
     @property
     def rope_scaling_dict(self) -> dict[str, Any]:

@@ -28,6 +28,8 @@ HF_LAYER_NAMES = {
     "self_attn.q_norm.weight": ("q_norm", False),  # Qwen3
     "self_attn.k_norm.weight": ("k_norm", False),
     "post_attention_layernorm.weight": ("post_attn_norm", False),
+    "pre_feedforward_layernorm.weight": ("pre_ffn_norm", False),  # Gemma 2/3
+    "post_feedforward_layernorm.weight": ("post_ffn_norm", False),
     "mlp.gate_proj.weight": ("gate_proj", True),
     "mlp.up_proj.weight": ("up_proj", True),
     "mlp.down_proj.weight": ("down_proj", True),
@@ -83,4 +85,5 @@ def hf_config_dict(cfg: DecoderArchConfig, dtype: str) -> dict[str, Any]:
             if cfg.sliding_window
             else {}
         ),
+        **cfg.hf_config_extras(),
     }

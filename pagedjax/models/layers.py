@@ -111,6 +111,7 @@ def attention(
     head_dim: int,
     inv_freq: jax.Array,
     qk_norm_eps: float | None = None,
+    qk_norm_offset: bool = False,
     sm_scale: float | None = None,
     attention_backend: str = "xla",
     num_rows: jax.Array | int | None = None,
@@ -122,7 +123,8 @@ def attention(
     Weights of `w` (one layer's): q_proj [D, N*H], k_proj / v_proj [D, K*H], o_proj
     [N*H, D]; q_bias / k_bias / v_bias ([N*H], [K*H]) and o_bias [D] added when present;
     q_norm / k_norm
-    [H], RMSNorm of each head before RoPE, when `qk_norm_eps` is given (Qwen3); k_scale /
+    [H], RMSNorm of each head before RoPE, when `qk_norm_eps` is given (Qwen3; Gemma 3 with
+    `qk_norm_offset`, its 1 + w RMSNorm); k_scale /
     v_scale, a float8 cache's scalar scales (1.0 when absent).
 
     Args:
@@ -152,8 +154,8 @@ def attention(
         q, k, v = q + w["q_bias"], k + w["k_bias"], v + w["v_bias"]
     q, k, v = q.reshape(T, N, H), k.reshape(T, K, H), v.reshape(T, K, H)
     if qk_norm_eps is not None:
-        q = rms_norm(q, w["q_norm"], qk_norm_eps)
-        k = rms_norm(k, w["k_norm"], qk_norm_eps)
+        q = rms_norm(q, w["q_norm"], qk_norm_eps, offset=qk_norm_offset)
+        k = rms_norm(k, w["k_norm"], qk_norm_eps, offset=qk_norm_offset)
     q = apply_rope(q, positions, inv_freq)  # [T, N, H]
     k = apply_rope(k, positions, inv_freq)  # [T, K, H]
     # A float8 cache always gets explicit scalar scales (1.0 unless the checkpoint has them).
@@ -221,7 +223,10 @@ def embed(params: Mapping[str, Any], input_ids: jax.Array) -> jax.Array:
 
 
 def compute_logits(
-    params: Mapping[str, Any], hidden: jax.Array, num_rows: jax.Array | int | None = None
+    params: Mapping[str, Any],
+    hidden: jax.Array,
+    num_rows: jax.Array | int | None = None,
+    cfg: DecoderArchConfig | None = None,
 ) -> jax.Array:
     """LM head through `ops.linear.linear`: hidden [S, D] (already normed) -> logits [S, V]
     float32. The head is params["lm_head"] (a plain [D, V] array, or a pre-packed one of
@@ -229,11 +234,17 @@ def compute_logits(
 
     num_rows: scalar int32 or None (all S): the real rows, which come first. A pre-packed head
     multiplies only these (the rest: zeros); a plain one computes every row.
+    cfg: the architecture; its `final_logit_softcap` (Gemma 2/3), when set, caps the logits
+    as cap * tanh(logits / cap), in float32. None: no cap.
     """
     head = params.get("lm_head")
     if head is None:  # tied embeddings
         head = params["embed_tokens"].T  # [D, V]
-    return linear(hidden, head, num_rows=num_rows).astype(jnp.float32)
+    logits = linear(hidden, head, num_rows=num_rows).astype(jnp.float32)
+    cap = cfg.final_logit_softcap if cfg is not None else None
+    if cap:
+        logits = cap * jnp.tanh(logits / cap)
+    return logits
 
 
 # ----------------------------------------------------------------------------- layer stack

@@ -15,12 +15,19 @@ from collections.abc import Mapping
 from types import ModuleType
 from typing import Any
 
-from pagedjax.models import llama, phi3, qwen3
+from pagedjax.models import gemma, llama, phi3, qwen3
 from pagedjax.models.arch_config import DecoderArchConfig, architecture_name, hf_dict
 
-_MODULES = (llama, qwen3, phi3)
+_MODULES = (llama, qwen3, phi3, gemma)
 _MODELS: dict[str, ModuleType] = {
     name: module for module in _MODULES for name in module.SUPPORTED_ARCHITECTURES
+}
+# Architectures a family module names but does not run -> why (a module's optional
+# REFUSED_ARCHITECTURES), so that the error says more than "not supported".
+_REFUSED: dict[str, str] = {
+    name: why
+    for module in _MODULES
+    for name, why in getattr(module, "REFUSED_ARCHITECTURES", {}).items()
 }
 # config.json `model_type` -> architecture, for configs without `architectures`.
 _MODEL_TYPES: dict[str, str] = {
@@ -40,8 +47,11 @@ def get_model(architecture: str) -> ModuleType:
 
     Raises:
         ValueError: the architecture is not registered (the message names it and lists the
-            supported ones).
+            supported ones), or is one a family refuses (named, with the reason).
     """
+    if architecture in _REFUSED:
+        why = _REFUSED[architecture]
+        raise ValueError(f"architecture {architecture!r} is not supported: {why}")
     try:
         return _MODELS[architecture]
     except KeyError:
