@@ -107,10 +107,11 @@ def step(
         )  # [T, D]
         rows = hidden[a["logits_indices"]]  # [S, D]
     if num_microbatches:
-        logits = model.compute_logits(params, rows)  # [M * S, V]: rows of M parts interleave
+        # [M * S, V]: rows of M parts interleave
+        logits = model.compute_logits(params, rows, cfg=cfg)
     else:
         num_rows = jnp.sum(parts[0]["seq_lens"] > 0)  # the real rows come first
-        logits = _logits_of_rows(model, params, rows, num_rows, cfg.vocab_size)  # [S, V]
+        logits = _logits_of_rows(model, params, rows, num_rows, cfg)  # [S, V]
 
     def cat(name):
         return jnp.concatenate([a[name] for a in parts])
@@ -142,7 +143,7 @@ def step(
 
     def with_prompt():
         return prompt_logprobs(
-            functools.partial(model.compute_logits, params),
+            functools.partial(model.compute_logits, params, cfg=cfg),
             hidden,
             cat("prompt_targets"),
             max_logprobs=k,
@@ -161,7 +162,7 @@ def step(
     return StepOutput(sampled, plp, prank, pids, plps), kv_cache, sampling_state
 
 
-def _logits_of_rows(model, params, rows, num_rows, V: int):
+def _logits_of_rows(model, params, rows, num_rows, cfg):
     """LM head (`model.compute_logits`, one `ops.linear.linear` call per block) of the first
     `num_rows` of `rows` [S, D] -> [S, V] float32, in blocks of LOGITS_ROW_BLOCK rows up to
     num_rows: a prefill step of a few long prompts has a large S but few rows to sample.
@@ -170,17 +171,17 @@ def _logits_of_rows(model, params, rows, num_rows, V: int):
     S = rows.shape[0]
     R = LOGITS_ROW_BLOCK
     if S <= R:
-        return model.compute_logits(params, rows, num_rows)
+        return model.compute_logits(params, rows, num_rows, cfg=cfg)
     pad = -(-S // R) * R - S
     rows = jnp.pad(rows, ((0, pad), (0, 0)))
 
     def block(b, out):
         x = jax.lax.dynamic_slice_in_dim(rows, b * R, R)
         return jax.lax.dynamic_update_slice_in_dim(
-            out, model.compute_logits(params, x, num_rows - b * R), b * R, axis=0
+            out, model.compute_logits(params, x, num_rows - b * R, cfg=cfg), b * R, axis=0
         )
 
-    out = jnp.zeros((S + pad, V), jnp.float32)
+    out = jnp.zeros((S + pad, cfg.vocab_size), jnp.float32)
     return jax.lax.fori_loop(0, (num_rows + R - 1) // R, block, out)[:S]
 
 
