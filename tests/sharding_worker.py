@@ -40,6 +40,13 @@ MODELS = {
     "qwen2-swa": dict(
         arch="qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=1
     ),
+    # 4 layers: 3 local (16-token window, local RoPE base) then 1 global; under pp2 the two
+    # stages hold different patterns, so each must read its layers' windows and RoPE tables
+    "gemma3": dict(
+        arch="gemma3",
+        num_hidden_layers=4,
+        layer_types=["sliding_attention"] * 3 + ["full_attention"],
+    ),
 }
 
 
@@ -114,7 +121,13 @@ def main(folder: str, cache_dir: str, layouts: list[str], models: list[str]) -> 
     for model in models:
         model_dir = Path(folder) / model
         if not (model_dir / "config.json").exists():
-            conftest.make_checkpoint(model_dir, **MODELS[model])
+            kw = dict(MODELS[model])
+            if kw.get("arch", "").startswith("gemma"):
+                from test_gemma import make_gemma_checkpoint
+
+                make_gemma_checkpoint(model_dir, **kw)
+            else:
+                conftest.make_checkpoint(model_dir, **kw)
         report[model] = run_model(model_dir, cache_dir, layouts, prompts)
         if MODELS[model].get("sliding_window"):
             report[model].update(hf_window_report(model_dir, prompts))

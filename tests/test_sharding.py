@@ -99,9 +99,9 @@ def report(tmp_path_factory, compile_cache_dir):
 
 @pytest.fixture(scope="module")
 def family_report(tmp_path_factory, compile_cache_dir):
-    """Qwen3 and the windowed Qwen2 on one device, TP=2 and PP=2 (one subprocess)."""
+    """Qwen3, the windowed Qwen2 and Gemma 3 on one device, TP=2 and PP=2 (one subprocess)."""
     folder = tmp_path_factory.mktemp("families-sharded")
-    return run_worker(folder, compile_cache_dir, "single,tp2,pp2", "qwen3,qwen2-swa")
+    return run_worker(folder, compile_cache_dir, "single,tp2,pp2", "qwen3,qwen2-swa,gemma3")
 
 
 @pytest.mark.parametrize("layout", ["tp2", "tp4", "dp2", "dp2-tp2", "pp2", "pp2-tp2"])
@@ -110,7 +110,7 @@ def test_greedy_output_identical_to_one_device(report, layout):
 
 
 @pytest.mark.parametrize("layout", ["tp2", "pp2"])
-@pytest.mark.parametrize("model", ["qwen3", "qwen2-swa"])
+@pytest.mark.parametrize("model", ["qwen3", "qwen2-swa", "gemma3"])
 def test_families_greedy_output_identical_to_one_device(family_report, model, layout):
     rep = family_report[model]
     assert rep[layout]["tokens"] == rep["single"]["tokens"]
