@@ -46,7 +46,7 @@ from pagedjax.models import llama
 from pagedjax.models.arch_config import DecoderArchConfig, hf_rope, hf_rope_dict
 from pagedjax.models.layers import (
     attention,
-    embed,
+    decoder_forward,
     gated_mlp,
     layer_window_fn,
     rms_norm,
@@ -234,25 +234,6 @@ def param_logical_axes(cfg: GemmaArchConfig) -> dict[str, Any]:
     return axes
 
 
-def forward(
-    params: dict[str, Any],
-    kv_cache: KVCache,
-    input_ids: jax.Array,
-    positions: jax.Array,
-    md: AttentionMetadata,
-    *,
-    cfg: GemmaArchConfig,
-    attention_backend: str = "xla",
-) -> tuple[jax.Array, KVCache]:
-    """As `llama.forward` (same arguments and results), with Gemma's decoder layers (which
-    scale the embeddings) and final norm."""
-    h = embed(params, input_ids)  # [T, D]
-    h, kv_cache = decoder_layers(
-        params["layers"], kv_cache, h, positions, md, cfg=cfg, attention_backend=attention_backend
-    )
-    return final_norm(params, h, cfg), kv_cache
-
-
 def final_norm(params: dict[str, Any], h: jax.Array, cfg: GemmaArchConfig) -> jax.Array:
     """Gemma's RMSNorm (1 + w) after the last decoder layer. h: [..., D] -> [..., D]."""
     return rms_norm(h, params["final_norm"], cfg.rms_norm_eps, offset=True)
@@ -335,3 +316,6 @@ def decoder_layers(
         return h + norm(m, w["post_ffn_norm"]), kv
 
     return scan_layers(layers, kv_cache, h, layer)
+
+
+forward = decoder_forward(decoder_layers, final_norm)  # the registry's entry point

@@ -252,6 +252,44 @@ def compute_logits(
 LayerFn = Callable[[dict[str, Any], jax.Array, KVCache, jax.Array], tuple[jax.Array, KVCache]]
 
 
+def decoder_forward(decoder_layers: Callable[..., Any], final_norm: Callable[..., Any]):
+    """A model's `forward` from its `decoder_layers` and `final_norm`:
+
+    forward(params, kv_cache, input_ids, positions, md, *, cfg, attention_backend="xla")
+        -> (hidden states after the final norm [T, D] in the params dtype, updated cache)
+
+    runs the decoder over a flat ragged batch (input_ids, positions: [T] int32; md: the
+    step's attention metadata), writing its K/V into the paged cache (k_cache, v_cache),
+    each [L, num_blocks, block_size, K, H] in the model dtype or float8 (donate it);
+    `attention_backend` ("xla", "cpu", "reference" or "pallas", static) picks the attention
+    only (the linear layers follow their weights' kind, `ops.linear`).
+    """
+
+    def forward(
+        params: Mapping[str, Any],
+        kv_cache: KVCache,
+        input_ids: jax.Array,
+        positions: jax.Array,
+        md: AttentionMetadata,
+        *,
+        cfg: DecoderArchConfig,
+        attention_backend: str = "xla",
+    ) -> tuple[jax.Array, KVCache]:
+        h = embed(params, input_ids)  # [T, D]
+        h, kv_cache = decoder_layers(
+            params["layers"],
+            kv_cache,
+            h,
+            positions,
+            md,
+            cfg=cfg,
+            attention_backend=attention_backend,
+        )
+        return final_norm(params, h, cfg), kv_cache
+
+    return forward
+
+
 def layer_window_fn(
     cfg: DecoderArchConfig, layer_offset: jax.Array | int = 0
 ) -> Callable[[jax.Array], jax.Array | int | None]:

@@ -48,7 +48,7 @@ import jax.numpy as jnp
 from pagedjax.models.arch_config import DecoderArchConfig, qwen_sliding_fields
 from pagedjax.models.layers import (
     attention,
-    embed,
+    decoder_forward,
     gated_mlp,
     layer_window_fn,
     rms_norm,
@@ -159,40 +159,6 @@ def logical_unit_counts(cfg: DecoderArchConfig) -> dict[str, int]:
     }
 
 
-def forward(
-    params: dict[str, Any],
-    kv_cache: KVCache,
-    input_ids: jax.Array,
-    positions: jax.Array,
-    md: AttentionMetadata,
-    *,
-    cfg: DecoderArchConfig,
-    attention_backend: str = "xla",
-) -> tuple[jax.Array, KVCache]:
-    """Runs the decoder over a flat ragged batch, writing its K/V into the paged cache.
-
-    Args:
-        params: the pytree in the module docstring.
-        kv_cache: (k_cache, v_cache), each [L, num_blocks, block_size, K, H] in the model
-            dtype or float8 (then read and written with `layers/k_scale`, `layers/v_scale`);
-            donate it.
-        input_ids: [T] int32 token ids.
-        positions: [T] int32 absolute positions (RoPE and the causal mask).
-        md: attention metadata for the step (slot mapping, block tables, sequence lengths).
-        cfg: the architecture (static).
-        attention_backend: "xla", "cpu", "reference" or "pallas" (static); attention only
-            (the linear layers follow their weights' kind, `ops.linear`).
-
-    Returns:
-        hidden states after the final norm [T, D] in the params dtype, and the updated cache.
-    """
-    h = embed(params, input_ids)  # [T, D]
-    h, kv_cache = decoder_layers(
-        params["layers"], kv_cache, h, positions, md, cfg=cfg, attention_backend=attention_backend
-    )
-    return final_norm(params, h, cfg), kv_cache
-
-
 def final_norm(params: dict[str, Any], h: jax.Array, cfg: DecoderArchConfig) -> jax.Array:
     """The norm after the last decoder layer. h: [..., D] -> [..., D]."""
     return rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
@@ -251,3 +217,6 @@ def decoder_layers(
         return h + gated_mlp(w, x, activation=cfg.hidden_act, num_rows=num_rows), kv
 
     return scan_layers(layers, kv_cache, h, layer)
+
+
+forward = decoder_forward(decoder_layers, final_norm)  # the registry's entry point

@@ -21,7 +21,7 @@ import jax
 from pagedjax.models import llama
 from pagedjax.models.arch_config import DecoderArchConfig, qwen_sliding_fields
 from pagedjax.models.layers import compute_logits as compute_logits
-from pagedjax.models.layers import embed
+from pagedjax.models.layers import decoder_forward
 from pagedjax.models.llama import final_norm as final_norm
 from pagedjax.models.llama import logical_unit_counts as logical_unit_counts
 from pagedjax.ops.attention import AttentionMetadata
@@ -64,24 +64,6 @@ def param_logical_axes(cfg: DecoderArchConfig) -> dict[str, Any]:
     return axes
 
 
-def forward(
-    params: dict[str, Any],
-    kv_cache: KVCache,
-    input_ids: jax.Array,
-    positions: jax.Array,
-    md: AttentionMetadata,
-    *,
-    cfg: DecoderArchConfig,
-    attention_backend: str = "xla",
-) -> tuple[jax.Array, KVCache]:
-    """As `llama.forward` (same arguments and results), with Qwen3's decoder layers."""
-    h = embed(params, input_ids)  # [T, D]
-    h, kv_cache = decoder_layers(
-        params["layers"], kv_cache, h, positions, md, cfg=cfg, attention_backend=attention_backend
-    )
-    return final_norm(params, h, cfg), kv_cache
-
-
 def decoder_layers(
     layers: dict[str, Any],
     kv_cache: KVCache,
@@ -105,3 +87,6 @@ def decoder_layers(
         qk_norm=True,
         layer_offset=layer_offset,
     )
+
+
+forward = decoder_forward(decoder_layers, final_norm)  # the registry's entry point
