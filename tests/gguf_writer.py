@@ -1,7 +1,8 @@
 """Writing a tiny Hugging Face checkpoint as a GGUF file the way llama.cpp's converter lays it
 out (`write_gguf`): its metadata keys per architecture, the tensor names of the `gguf`
-package's own name map, and llama's Q/K row reordering (written out independently of the
-loader's inverse). Used by the GGUF loading tests."""
+package's own name map, llama's Q/K row reordering (written out independently of the
+loader's inverse), and Gemma's RMSNorm weights stored as (w + 1). Used by the GGUF loading
+tests."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ GGUF_ARCH = {
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "phi3": "phi3",
+    "gemma2": "gemma2",
+    "gemma3_text": "gemma3",
 }
 
 
@@ -46,9 +49,43 @@ def write_gguf(path, hf_dir, quantize_ffn=False, arch=None, extra_tensors=None):
     raw = load_file(str(hf_dir / "model.safetensors"))
     model_arch = GGUF_ARCH[cfg["model_type"]]
     arch = arch or model_arch
-    L, heads, hidden = cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["hidden_size"]
+    L, heads = cfg["num_hidden_layers"], cfg["num_attention_heads"]
     w = gguf.GGUFWriter(str(path), arch)
-    # TextModel.set_gguf_parameters
+    if model_arch in ("gemma2", "gemma3"):
+        _gemma_parameters(w, cfg, model_arch)
+    else:
+        _text_model_parameters(w, cfg, model_arch)
+    w.add_bos_token_id(cfg["bos_token_id"])
+    w.add_eos_token_id(cfg["eos_token_id"])
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[model_arch.upper()], L)
+    for name, t in raw.items():
+        if model_arch == "gemma2" and name == "lm_head.weight":
+            continue  # Gemma2Model skips it (the head is tied)
+        gg = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert gg is not None, name
+        if model_arch == "llama" and gg.endswith("attn_q.weight"):
+            t = llama_cpp_permute(t, heads)
+        elif model_arch == "llama" and gg.endswith("attn_k.weight"):
+            t = llama_cpp_permute(t, cfg["num_key_value_heads"])
+        elif model_arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
+            t = t + np.float32(1)  # Gemma's (1 + w), in the tensor's dtype
+        if quantize_ffn and gg.endswith("ffn_up.weight"):
+            q = gguf.quants.quantize(t, gguf.GGMLQuantizationType.Q8_0)
+            w.add_tensor(gg, q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(gg, t)
+    for name, t in (extra_tensors or {}).items():
+        w.add_tensor(name, t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _text_model_parameters(w, cfg, model_arch):
+    """TextModel.set_gguf_parameters, and llama's / phi3's additions."""
+    L, heads, hidden = cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["hidden_size"]
     w.add_block_count(L)
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(hidden)
@@ -67,25 +104,30 @@ def write_gguf(path, hf_dir, quantize_ffn=False, arch=None, extra_tensors=None):
         w.add_rope_dimension_count(hidden // heads)
         w.add_rope_scaling_orig_ctx_len(cfg["original_max_position_embeddings"])
         w.add_sliding_window(cfg.get("sliding_window") or 0)
-    w.add_bos_token_id(cfg["bos_token_id"])
-    w.add_eos_token_id(cfg["eos_token_id"])
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[model_arch.upper()], L)
-    for name, t in raw.items():
-        gg = names.get_name(name, try_suffixes=(".weight", ".bias"))
-        assert gg is not None, name
-        if model_arch == "llama" and gg.endswith("attn_q.weight"):
-            t = llama_cpp_permute(t, heads)
-        elif model_arch == "llama" and gg.endswith("attn_k.weight"):
-            t = llama_cpp_permute(t, cfg["num_key_value_heads"])
-        if quantize_ffn and gg.endswith("ffn_up.weight"):
-            q = gguf.quants.quantize(t, gguf.GGMLQuantizationType.Q8_0)
-            w.add_tensor(gg, q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-        else:
-            w.add_tensor(gg, t)
-    for name, t in (extra_tensors or {}).items():
-        w.add_tensor(name, t)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+
+
+def _gemma_parameters(w, cfg, model_arch):
+    """Gemma2Model.set_gguf_parameters (no RoPE base: llama.cpp's default), or
+    Gemma3Model's (TextModel's, the global layers' RoPE base, the final cap when set, the
+    window unless every layer is global); neither writes a layer pattern, the local RoPE base
+    or query_pre_attn_scalar."""
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
+    if model_arch == "gemma2":
+        w.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
+        w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+        w.add_sliding_window(cfg["sliding_window"])
+        return
+    rope = cfg.get("rope_parameters") or {}
+    w.add_rope_freq_base(rope.get("full_attention", rope).get("rope_theta", 1_000_000.0))
+    if cfg.get("final_logit_softcapping"):
+        w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+    if cfg.get("sliding_window_pattern") != 1:
+        w.add_sliding_window(cfg["sliding_window"])

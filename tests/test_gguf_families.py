@@ -1,5 +1,5 @@
-"""GGUF files of the families beyond Llama (qwen2, qwen3, phi3), written from tiny Hugging
-Face checkpoints the way llama.cpp's converter lays them out (`gguf_writer`): the
+"""GGUF files of the families beyond Llama (qwen2, qwen3, phi3, gemma2, gemma3), written from
+tiny Hugging Face checkpoints the way llama.cpp's converter lays them out (`gguf_writer`): the
 architecture and params equal the safetensors load, greedy generation through `LLM(file.gguf)`
 equals Hugging Face's on the same weights, and architectures or features without support are
 refused by name."""
@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from conftest import hf_greedy, hf_model, make_checkpoint
 from gguf_writer import write_gguf
+from test_gemma import make_gemma_checkpoint
 
 from pagedjax import SamplingParams
 from pagedjax.models import loader
@@ -21,7 +22,20 @@ CASES = {
     # fused attn_qkv and gate+up ffn_up (stored Q8_0); a window on every layer
     "phi3": dict(arch="phi3", sliding_window=16),
     "qwen2": dict(arch="qwen2"),  # q/k/v biases
+    # Gemma's norms stored as (w + 1); a window of 16 on every other layer, both soft caps;
+    # query_pre_attn_scalar = head_dim (32 != 64 / 4), which is what llama.cpp runs the
+    # file with (the file does not carry it)
+    "gemma2": dict(
+        arch="gemma2",
+        num_hidden_layers=4,
+        query_pre_attn_scalar=32,
+        attn_logit_softcapping=50.0,
+        final_logit_softcapping=30.0,
+    ),
+    # q/k norms, five sliding layers of every six, global / local RoPE bases 1e6 / 1e4
+    "gemma3": dict(arch="gemma3", num_hidden_layers=6, query_pre_attn_scalar=32),
 }
+GEMMA = {"gemma2", "gemma3"}
 QUANTIZED_FFN = {"phi3"}
 NEW_TOKENS = 8
 
@@ -47,8 +61,12 @@ def gguf_cases(tmp_path_factory):
 
     def get(name):
         if name not in made:
-            folder = make_checkpoint(tmp_path_factory.mktemp(name), seed=3, **CASES[name])
-            _randomize_norms(folder, seed=len(made))
+            folder = tmp_path_factory.mktemp(name)
+            if name in GEMMA:  # random norm weights of its own
+                folder = make_gemma_checkpoint(folder, seed=3, **CASES[name])
+            else:
+                folder = make_checkpoint(folder, seed=3, **CASES[name])
+                _randomize_norms(folder, seed=len(made))
             path = write_gguf(
                 folder.parent / f"{name}.gguf", folder, quantize_ffn=name in QUANTIZED_FFN
             )
@@ -80,11 +98,17 @@ def test_gguf_loads_as_the_safetensors_checkpoint(gguf_cases, name):
         if name in QUANTIZED_FFN and ("gate_proj" in key or "up_proj" in key):
             # Q8_0: each value within its 32-block's scale / 127 (at most the max / 127)
             np.testing.assert_allclose(g, w, atol=np.abs(w).max() / 127, err_msg=key)
+        elif name in GEMMA and "norm" in key:
+            # stored as float32 (w + 1), loaded as that less 1: the scale 1 + w the model
+            # computes is the same float32 (w itself within (w + 1)'s rounding)
+            one = np.float32(1)
+            assert not np.array_equal(w, np.zeros_like(w)), key
+            np.testing.assert_array_equal(g + one, w + one, err_msg=key)
         else:
             np.testing.assert_array_equal(g, w, err_msg=key)
 
 
-@pytest.mark.parametrize("name", ["qwen3", "phi3"])
+@pytest.mark.parametrize("name", ["qwen3", "phi3", "gemma2", "gemma3"])
 def test_gguf_greedy_matches_hf(make_llm, gguf_cases, name, tmp_path):
     """`LLM(file.gguf)` (converted once into the cache folder) against HF on the GGUF's own
     weights (dequantized where stored Q8_0), prompts of up to 3 of phi3's windows."""
@@ -124,7 +148,7 @@ def _with_gguf_weights(folder, path, out):
     return out
 
 
-@pytest.mark.parametrize("arch", ["gemma3", "falcon", "qwen3moe"])
+@pytest.mark.parametrize("arch", ["gemma", "falcon", "qwen3moe"])
 def test_unsupported_gguf_architecture_is_named(tmp_path, tiny_llama_dir, arch):
     path = write_gguf(tmp_path / f"{arch}.gguf", tiny_llama_dir, arch=arch)
     with pytest.raises(ValueError, match=f"GGUF architecture '{arch}' is not supported"):

@@ -1,4 +1,5 @@
-"""Reading GGUF files (llama, qwen2, qwen3, phi3 as llama.cpp's converter writes them): the
+"""Reading GGUF files (llama, qwen2, qwen3, phi3, gemma2, gemma3 as llama.cpp's converter
+writes them): the
 architecture from the metadata, the tensors dequantized to float32 by the `gguf` package, and
 the routing of GGUF tensor names into the params pytree (`assign_gguf`).
 
@@ -9,7 +10,16 @@ What differs between the architectures' files:
            dim; rows as in Hugging Face;
     phi3   fused `attn_qkv` (q, k, v rows) and `ffn_up` holding gate then up rows, split on
            load; a window on every layer when `attention.sliding_window` is not 0; LongRoPE
-           (`rope_factors_long` / `rope_factors_short` tensors) refused.
+           (`rope_factors_long` / `rope_factors_short` tensors) refused;
+    gemma2 / gemma3  every RMSNorm weight stored as (w + 1) (llama.cpp's Gemma norms scale by
+           the stored weight; Hugging Face's by 1 + w): 1 is subtracted on load. The four
+           norms of a layer are `attn_norm`, `post_attention_norm` (the attention output's),
+           `ffn_norm` (before the MLP), `post_ffw_norm`; gemma3 adds `attn_q_norm` /
+           `attn_k_norm`. What the file does not say is llama.cpp's: sliding-window layers
+           every other one from layer 0 (gemma2) or five of every six (gemma3), when
+           `attention.sliding_window` is there and not 0; gemma3's local RoPE base 10000; the
+           softmax scale head_dim ** -0.5 (`attention.key_length`), hidden / heads for the
+           27B models (46 gemma2 layers, 62 gemma3 layers); a tanh-approximate GELU.
 
 Named `gguf_file` rather than `gguf` so that it is never mistaken for the `gguf` package.
 """
@@ -32,6 +42,8 @@ GGUF_ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
 # The architectures whose Q/K rows llama.cpp's converter reorders (its LlamaModel); the
 # others' converters write the Hugging Face rows as they are.
@@ -58,6 +70,15 @@ _GGUF_LAYER_NAMES = {
 # Fused tensors -> the layer params their rows split into, in order; by architecture.
 _GGUF_FUSED = {"attn_qkv.weight": ("q_proj", "k_proj", "v_proj")}
 _GGUF_FUSED_BY_ARCH = {"Phi3ForCausalLM": {"ffn_up.weight": ("gate_proj", "up_proj")}}
+# Gemma's layer norms: the norm of the attention output, then the two around the MLP.
+_GGUF_GEMMA_LAYER_NAMES = {
+    **_GGUF_LAYER_NAMES,
+    "post_attention_norm.weight": "post_attn_norm",
+    "ffn_norm.weight": "pre_ffn_norm",
+    "post_ffw_norm.weight": "post_ffn_norm",
+}
+# The architectures whose converter stores every RMSNorm weight as (w + 1).
+_NORM_PLUS_ONE = frozenset({"Gemma2ForCausalLM", "Gemma3ForCausalLM"})
 _GGUF_GLOBAL = {"token_embd.weight": "embed_tokens", "output_norm.weight": "final_norm"}
 # Tensors that carry a RoPE variant this engine does not run.
 _UNSUPPORTED_TENSORS = {
@@ -118,13 +139,14 @@ def gguf_arch_config(reader) -> DecoderArchConfig:
             f"{head_dim}; not supported"
         )
     window = int(key("attention.sliding_window", 0) or 0) if arch == "phi3" else 0
+    L = int(key("block_count"))
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     fields = dict(
         architecture=hf_arch,
         vocab_size=int(key("vocab_size", int(embd.shape[1]))),
         hidden_size=hidden,
         intermediate_size=int(key("feed_forward_length")),
-        num_hidden_layers=int(key("block_count")),
+        num_hidden_layers=L,
         num_attention_heads=heads,
         num_key_value_heads=int(key("attention.head_count_kv", heads)),
         head_dim=head_dim,
@@ -139,7 +161,34 @@ def gguf_arch_config(reader) -> DecoderArchConfig:
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=(int(eos),) if eos is not None else (),
     )
+    if arch in ("gemma2", "gemma3"):
+        fields.update(_gemma_fields(arch, key, L, hidden // heads, head_dim))
     return registry.get_model(hf_arch).ArchConfig(**fields)
+
+
+def _gemma_fields(arch: str, key, num_layers: int, hidden_per_head: int, head_dim: int):
+    """The Gemma config fields of a gemma2 / gemma3 file: from its keys where the converter
+    writes them, else as llama.cpp runs the architecture (which these files are made for)."""
+    window = int(key("attention.sliding_window", 0) or 0)
+    pattern = 2 if arch == "gemma2" else 6  # llama.cpp's swa pattern: the last of each is global
+    sliding = tuple(i for i in range(num_layers) if (i + 1) % pattern != 0)
+    # llama.cpp's softmax scale: hidden / heads for the 27B models (known by layer count)
+    is_27b = num_layers == (46 if arch == "gemma2" else 62)
+    fields = dict(
+        hidden_act="gelu_pytorch_tanh",
+        query_pre_attn_scalar=float(hidden_per_head if is_27b else head_dim),
+        final_logit_softcap=_cap(key("final_logit_softcapping")),
+        attn_logit_softcap=_cap(key("attn_logit_softcapping")) if arch == "gemma2" else None,
+        sliding_window=window or None,
+        sliding_layers=sliding if window and sliding else None,
+    )
+    if arch == "gemma3":  # rope.freq_base is the global layers'; the local ones' 10000
+        fields.update(rope_theta=_f32(key("rope.freq_base", 1_000_000.0)), rope_local_theta=10000.0)
+    return fields
+
+
+def _cap(value) -> float | None:
+    return _f32(value) if value else None
 
 
 def _f32(x) -> float:
@@ -173,7 +222,8 @@ def gguf_tensors(path: str) -> Iterator[tuple[str, np.ndarray]]:
 
 def assign_gguf(stack: StackedParams, cfg: DecoderArchConfig, name: str, value) -> None:
     """Routes one GGUF tensor ([out, in] like torch once dequantized) to its place in the
-    pytree: fused tensors split, llama's Q/K rows put back in Hugging Face's order."""
+    pytree: fused tensors split, llama's Q/K rows put back in Hugging Face's order, Gemma's
+    norms less the 1 its converter adds."""
     if m := _GGUF_LAYER.match(name):
         layer, suffix = int(m.group(1)), m.group(2)
         fused = _GGUF_FUSED_BY_ARCH.get(cfg.architecture, {}).get(suffix) or _GGUF_FUSED.get(suffix)
@@ -181,14 +231,19 @@ def assign_gguf(stack: StackedParams, cfg: DecoderArchConfig, name: str, value) 
             for target, part in split_fused(stack, fused, value, name):
                 stack.set_layer(target, layer, part.T, name)
             return
-        target = _GGUF_LAYER_NAMES.get(suffix)
+        gemma = cfg.architecture in _NORM_PLUS_ONE
+        target = (_GGUF_GEMMA_LAYER_NAMES if gemma else _GGUF_LAYER_NAMES).get(suffix)
         if target is None:
             raise ValueError(f"unexpected tensor {name!r} in the GGUF file")
         if target in ("q_proj", "k_proj") and cfg.architecture in _PERMUTED_QK:
             heads = cfg.num_attention_heads if target == "q_proj" else cfg.num_key_value_heads
             value = unpermute_gguf_qk(value, heads)
+        if gemma and suffix.endswith("norm.weight"):
+            value = value - np.float32(1)
         stack.set_layer(target, layer, value.T if value.ndim == 2 else value, name)
     elif name in _GGUF_GLOBAL:
+        if name == "output_norm.weight" and cfg.architecture in _NORM_PLUS_ONE:
+            value = value - np.float32(1)
         stack.set_global(_GGUF_GLOBAL[name], value, name)
     elif name == "output.weight":
         stack.set_global("lm_head", value.T, name)
