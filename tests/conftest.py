@@ -10,15 +10,6 @@ from pathlib import Path
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import jax  # noqa: E402
-
-# JAX's persistent compilation cache stays off in the test process: with it on, the full
-# suite died (SIGSEGV) inside jax's cache, serializing or deserializing an executable
-# (`compilation_cache.put_executable_and_time` / `get_executable_and_time`, jax 0.10.2, CPU),
-# at a point that no subset of the suite reproduces. Engines still get a cache folder
-# (`compilation_cache_dir`), which JAX then ignores.
-jax.config.update("jax_enable_compilation_cache", False)
-
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
