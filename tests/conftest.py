@@ -204,3 +204,64 @@ def smol_vocab_dir(tmp_path_factory, smol_tokenizer) -> Path:
     )
     smol_tokenizer.save_pretrained(str(folder))
     return folder
+
+
+def randomize_norms(folder: Path, seed: int) -> None:
+    """Gives every RMSNorm weight of the checkpoint in `folder` random values around its own
+    (HF initializes them to ones, or zeros for Gemma), so that a norm applied wrongly, or not
+    at all, shows in the outputs."""
+    from safetensors.numpy import load_file, save_file
+
+    path = folder / "model.safetensors"
+    tensors = load_file(str(path))
+    rng = np.random.default_rng(seed)
+    for name, value in tensors.items():
+        if "norm" in name:
+            tensors[name] = (value + rng.normal(0.0, 0.3, value.shape)).astype(value.dtype)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+FORWARD_BLOCK = 8  # block size of `forward_chunks`' KV cache
+
+
+def forward_chunks(params, cfg, chunks: list[list[int]], backend: str) -> np.ndarray:
+    """One sequence's prompt through the registry's model for `cfg`, in `chunks` (prefill
+    chunk by chunk over a scattered, out-of-order block table of FORWARD_BLOCK-token blocks);
+    returns the logits of every prompt position, [sum(len(c)), V] float32 (the config's
+    final soft-cap applied)."""
+    import jax
+    import jax.numpy as jnp
+
+    from pagedjax.executor.input_batch import BatchBuilder, SeqInput
+    from pagedjax.models import registry
+    from pagedjax.ops.attention import AttentionMetadata
+    from pagedjax.ops.kv_cache import init_kv_cache, kv_cache_shape
+
+    model = registry.get_model(cfg.architecture)
+    builder = BatchBuilder(
+        max_num_batched_tokens=128,
+        max_num_seqs=4,
+        max_model_len=256,
+        block_size=FORWARD_BLOCK,
+        query_tile_size=8,
+        kv_chunk_pages=2,
+    )
+    shape = kv_cache_shape(
+        cfg.num_hidden_layers, 16, FORWARD_BLOCK, cfg.num_key_value_heads, cfg.head_dim
+    )
+    kv = init_kv_cache(shape, jnp.float32)
+    blocks = np.array([5, 2, 9, 1, 12, 7, 3], np.int32)  # scattered, out of order
+    fwd = jax.jit(
+        lambda p, kv, a, md: model.forward(
+            p, kv, a["input_ids"], a["positions"], md, cfg=cfg, attention_backend=backend
+        )
+    )
+    logits, start = [], 0
+    for chunk in chunks:
+        layout, buf = builder.build([SeqInput(np.asarray(chunk, np.int32), start, blocks)])
+        a = {k: jnp.asarray(v) for k, v in layout.unpack(buf.copy()).items()}
+        md = AttentionMetadata.from_arrays(a, query_tile_size=8, kv_chunk_pages=2)
+        hidden, kv = fwd(params, kv, a, md)
+        logits.append(np.asarray(model.compute_logits(params, hidden[: len(chunk)], cfg=cfg)))
+        start += len(chunk)
+    return np.concatenate(logits)

@@ -16,7 +16,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from conftest import TINY_VOCAB, hf_greedy, hf_model, make_tokenizer
+from conftest import (
+    TINY_VOCAB,
+    forward_chunks,
+    hf_greedy,
+    hf_model,
+    make_tokenizer,
+    randomize_norms,
+)
 
 from pagedjax import SamplingParams
 from pagedjax.executor.input_batch import BatchBuilder, SeqInput
@@ -81,7 +88,6 @@ GENERATION_CASES = ("gemma2", "gemma3")
 def make_gemma_checkpoint(folder, arch: str, seed: int = 0, **overrides):
     """A tiny random Gemma 2 / Gemma 3 (text) checkpoint with random norm weights (HF
     initializes Gemma's norms to 0, i.e. a scale of 1) and the byte tokenizer."""
-    from safetensors.numpy import load_file, save_file
     from transformers import Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig
 
     config_cls, model_cls = {
@@ -92,13 +98,7 @@ def make_gemma_checkpoint(folder, arch: str, seed: int = 0, **overrides):
     model = model_cls(config_cls(**{**_COMMON, **overrides})).eval()
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(folder), safe_serialization=True)
-    path = folder / "model.safetensors"
-    tensors = load_file(str(path))
-    rng = np.random.default_rng(seed + 1)
-    for name, value in tensors.items():
-        if "norm" in name:
-            tensors[name] = (value + rng.normal(0.0, 0.3, value.shape)).astype(value.dtype)
-    save_file(tensors, str(path), metadata={"format": "pt"})
+    randomize_norms(folder, seed + 1)
     make_tokenizer(folder)
     return folder
 
@@ -122,37 +122,6 @@ def _load(folder):
     source = loader.resolve_model_source(str(folder))
     cfg = loader.load_arch_config(source)
     return cfg, loader.load_params(source, cfg, "float32")
-
-
-def _forward_chunks(params, cfg, chunks, backend):
-    """One sequence's prompt through the registry's model in `chunks`; all its logits
-    (the final cap of the config applied)."""
-    model = registry.get_model(cfg.architecture)
-    builder = BatchBuilder(
-        max_num_batched_tokens=128,
-        max_num_seqs=4,
-        max_model_len=256,
-        block_size=BLOCK,
-        query_tile_size=8,
-        kv_chunk_pages=2,
-    )
-    shape = kv_cache_shape(cfg.num_hidden_layers, 16, BLOCK, cfg.num_key_value_heads, cfg.head_dim)
-    kv = init_kv_cache(shape, jnp.float32)
-    blocks = np.array([5, 2, 9, 1, 12, 7, 3], np.int32)  # scattered, out of order
-    fwd = jax.jit(
-        lambda p, kv, a, md: model.forward(
-            p, kv, a["input_ids"], a["positions"], md, cfg=cfg, attention_backend=backend
-        )
-    )
-    logits, start = [], 0
-    for chunk in chunks:
-        layout, buf = builder.build([SeqInput(np.asarray(chunk, np.int32), start, blocks)])
-        a = {k: jnp.asarray(v) for k, v in layout.unpack(buf.copy()).items()}
-        md = AttentionMetadata.from_arrays(a, query_tile_size=8, kv_chunk_pages=2)
-        hidden, kv = fwd(params, kv, a, md)
-        logits.append(np.asarray(model.compute_logits(params, hidden[: len(chunk)], cfg=cfg)))
-        start += len(chunk)
-    return np.concatenate(logits)
 
 
 def _hf_logits(folder, ids, **config_changes):
@@ -184,7 +153,7 @@ def test_prefill_logits_match_hf(gemma_dirs, prompt45, name):
     for backend in ("reference", "cpu"):
         # the whole prompt at once, then in uneven chunks across the scattered blocks
         for chunks in ([ids], [ids[:13], ids[13:30], *([t] for t in ids[30:33]), ids[33:]]):
-            got = _forward_chunks(params, cfg, chunks, backend)
+            got = forward_chunks(params, cfg, chunks, backend)
             np.testing.assert_allclose(
                 got, ref, atol=1e-4, rtol=0, err_msg=f"{name} {backend} {len(chunks)} chunks"
             )
@@ -411,14 +380,14 @@ def test_conversion_and_int8_keep_the_model(gemma_dirs, prompt45, tmp_path):
     stay close to float."""
     folder = gemma_dirs("gemma3-linear-rope")
     cfg, params = _load(folder)
-    want = _forward_chunks(params, cfg, [prompt45], "reference")
+    want = forward_chunks(params, cfg, [prompt45], "reference")
     loader.save_converted(tmp_path / "conv", cfg, params, tokenizer=None)
     source = loader.resolve_model_source(str(tmp_path / "conv"))
     assert source.kind == "orbax" and loader.load_arch_config(source) == cfg
-    got = _forward_chunks(loader.load_params(source, cfg, "float32"), cfg, [prompt45], "reference")
+    got = forward_chunks(loader.load_params(source, cfg, "float32"), cfg, [prompt45], "reference")
     np.testing.assert_array_equal(got, want)
     source = loader.resolve_model_source(str(folder))
     q = loader.load_params(source, cfg, "float32", quantization="int8")
-    got = _forward_chunks(q, cfg, [prompt45], "reference")
+    got = forward_chunks(q, cfg, [prompt45], "reference")
     err = np.abs(got - want)
     assert err.mean() < 0.05 and err.max() < 0.5, (err.mean(), err.max())

@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from conftest import hf_greedy, hf_model, make_checkpoint
+from conftest import hf_greedy, hf_model, make_checkpoint, randomize_norms
 from gguf_writer import write_gguf
 from test_gemma import make_gemma_checkpoint
 
@@ -40,20 +40,6 @@ QUANTIZED_FFN = {"phi3"}
 NEW_TOKENS = 8
 
 
-def _randomize_norms(folder, seed: int) -> None:
-    """Random RMSNorm weights around 1 (HF initializes them to ones), so that a norm routed
-    wrongly shows in the outputs."""
-    from safetensors.numpy import load_file, save_file
-
-    path = folder / "model.safetensors"
-    tensors = load_file(str(path))
-    rng = np.random.default_rng(seed)
-    for name, value in tensors.items():
-        if "norm" in name:
-            tensors[name] = (value + rng.normal(0.0, 0.3, value.shape)).astype(value.dtype)
-    save_file(tensors, str(path), metadata={"format": "pt"})
-
-
 @pytest.fixture(scope="module")
 def gguf_cases(tmp_path_factory):
     """name -> (HF folder, GGUF file of the same weights), written on first use."""
@@ -66,7 +52,7 @@ def gguf_cases(tmp_path_factory):
                 folder = make_gemma_checkpoint(folder, seed=3, **CASES[name])
             else:
                 folder = make_checkpoint(folder, seed=3, **CASES[name])
-                _randomize_norms(folder, seed=len(made))
+                randomize_norms(folder, seed=len(made))
             path = write_gguf(
                 folder.parent / f"{name}.gguf", folder, quantize_ffn=name in QUANTIZED_FFN
             )

@@ -9,23 +9,18 @@ import json
 import math
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from conftest import hf_greedy, hf_model, make_checkpoint
+from conftest import forward_chunks, hf_greedy, hf_model, make_checkpoint, randomize_norms
 
 from pagedjax import SamplingParams
-from pagedjax.executor.input_batch import BatchBuilder, SeqInput
 from pagedjax.models import loader, registry
 from pagedjax.models.hf_checkpoint import assign_hf
 from pagedjax.models.phi3 import Phi3ArchConfig
 from pagedjax.models.qwen3 import Qwen3ArchConfig
 from pagedjax.models.stacking import StackedParams
-from pagedjax.ops.attention import AttentionMetadata
-from pagedjax.ops.kv_cache import init_kv_cache, kv_cache_shape
 
-BLOCK = 8
 MAX_TOKENS = 8
 # Qwen3: head_dim 32 with hidden 96 and 4 heads, so head_dim != hidden / heads.
 QWEN3 = dict(arch="qwen3", hidden_size=96, head_dim=32, num_attention_heads=4)
@@ -38,20 +33,6 @@ CASES = {
 GENERATION_CASES = ("qwen3-tied", "phi3")
 
 
-def _randomize_norms(folder, seed: int) -> None:
-    """Gives every RMSNorm weight (HF initializes them to ones) random values around 1, so
-    that a norm weight applied wrongly, or not at all, shows in the logits."""
-    from safetensors.numpy import load_file, save_file
-
-    path = folder / "model.safetensors"
-    tensors = load_file(str(path))
-    rng = np.random.default_rng(seed)
-    for name, value in tensors.items():
-        if "norm" in name:
-            tensors[name] = (value + rng.normal(0.0, 0.3, value.shape)).astype(value.dtype)
-    save_file(tensors, str(path), metadata={"format": "pt"})
-
-
 @pytest.fixture(scope="session")
 def family_dirs(tmp_path_factory):
     """name -> the folder of CASES[name]'s tiny checkpoint, written on first use."""
@@ -60,41 +41,11 @@ def family_dirs(tmp_path_factory):
     def get(name):
         if name not in dirs:
             folder = make_checkpoint(tmp_path_factory.mktemp(name), **CASES[name])
-            _randomize_norms(folder, seed=len(dirs))
+            randomize_norms(folder, seed=len(dirs))
             dirs[name] = folder
         return dirs[name]
 
     return get
-
-
-def _forward_chunks(params, cfg, chunks, backend):
-    """One sequence's prompt through the registry's model in `chunks`; all its logits."""
-    model = registry.get_model(cfg.architecture)
-    builder = BatchBuilder(
-        max_num_batched_tokens=128,
-        max_num_seqs=4,
-        max_model_len=256,
-        block_size=BLOCK,
-        query_tile_size=8,
-        kv_chunk_pages=2,
-    )
-    shape = kv_cache_shape(cfg.num_hidden_layers, 16, BLOCK, cfg.num_key_value_heads, cfg.head_dim)
-    kv = init_kv_cache(shape, jnp.float32)
-    blocks = np.array([5, 2, 9, 1, 12, 7, 3], np.int32)  # scattered, out of order
-    fwd = jax.jit(
-        lambda p, kv, a, md: model.forward(
-            p, kv, a["input_ids"], a["positions"], md, cfg=cfg, attention_backend=backend
-        )
-    )
-    logits, start = [], 0
-    for chunk in chunks:
-        layout, buf = builder.build([SeqInput(np.asarray(chunk, np.int32), start, blocks)])
-        a = {k: jnp.asarray(v) for k, v in layout.unpack(buf.copy()).items()}
-        md = AttentionMetadata.from_arrays(a, query_tile_size=8, kv_chunk_pages=2)
-        hidden, kv = fwd(params, kv, a, md)
-        logits.append(np.asarray(model.compute_logits(params, hidden[: len(chunk)])))
-        start += len(chunk)
-    return np.concatenate(logits)
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -114,7 +65,7 @@ def test_prefill_logits_match_hf(family_dirs, name):
     for backend in ("reference", "cpu"):
         # the whole prompt at once, then in uneven chunks across the scattered blocks
         for chunks in ([ids], [ids[:13], ids[13:30], *([t] for t in ids[30:33]), ids[33:]]):
-            got = _forward_chunks(params, cfg, chunks, backend)
+            got = forward_chunks(params, cfg, chunks, backend)
             np.testing.assert_allclose(
                 got, ref, atol=1e-4, rtol=0, err_msg=f"{name} {backend} {len(chunks)} chunks"
             )
