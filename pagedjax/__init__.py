@@ -20,6 +20,7 @@ _EXPORTS = {
     "SamplingParams": "pagedjax.sampling_params",
     "BeamSearchParams": "pagedjax.sampling_params",
     "RequestOutputKind": "pagedjax.sampling_params",
+    "StructuredOutputsParams": "pagedjax.sampling_params",
     "RequestOutput": "pagedjax.outputs",
     "CompletionOutput": "pagedjax.outputs",
     "Logprob": "pagedjax.outputs",

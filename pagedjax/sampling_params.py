@@ -17,6 +17,68 @@ from pagedjax.errors import InvalidInputError
 _SAMPLING_EPS = 1e-5
 
 
+@dataclasses.dataclass
+class StructuredOutputsParams:
+    """A constraint on a request's output (vLLM's `StructuredOutputsParams` names).
+
+    Exactly one kind is set:
+        json: a JSON schema (dict, or its JSON text) the output must validate against.
+        regex: a regular expression the whole output must match.
+        choice: the output is exactly one of these strings.
+        grammar: a context-free grammar (Lark syntax, or GBNF/EBNF as llguidance accepts).
+        json_object: True: any JSON object.
+    Optional: whitespace_pattern (a regex for the whitespace allowed between JSON tokens,
+    None: the constraint engine's default).
+
+    Raises InvalidInputError (param "structured_outputs") when no kind or more than one is set
+    or a field has the wrong type; whether a schema, regex or grammar compiles is checked by
+    the engine when the request is added (also an InvalidInputError).
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    whitespace_pattern: str | None = None
+
+    KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+    def __post_init__(self):
+        kinds = [k for k in self.KINDS if getattr(self, k) not in (None, False)]
+        if len(kinds) != 1:
+            raise InvalidInputError(
+                "structured_outputs must set exactly one of json, regex, choice, grammar, "
+                f"json_object; got {kinds or 'none'}",
+                param="structured_outputs",
+            )
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise InvalidInputError(
+                "structured_outputs.json must be a JSON schema (a dict or its JSON text)",
+                param="structured_outputs",
+            )
+        for f in ("regex", "grammar"):
+            v = getattr(self, f)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise InvalidInputError(
+                    f"structured_outputs.{f} must be a non-empty string", param="structured_outputs"
+                )
+        if self.choice is not None and (
+            not isinstance(self.choice, (list, tuple))
+            or not self.choice
+            or not all(isinstance(c, str) and c for c in self.choice)
+        ):
+            raise InvalidInputError(
+                "structured_outputs.choice must be a non-empty list of non-empty strings",
+                param="structured_outputs",
+            )
+
+    @property
+    def kind(self) -> str:
+        """The one kind set: "json", "regex", "choice", "grammar" or "json_object"."""
+        return next(k for k in self.KINDS if getattr(self, k) not in (None, False))
+
+
 class RequestOutputKind(enum.Enum):
     """What `RequestOutput`s carry while a request runs (vLLM's names)."""
 
@@ -58,6 +120,7 @@ class SamplingParams:
         allowed_token_ids: if set, only these tokens can be sampled.
         truncate_prompt_tokens: keep only the last k prompt tokens (-1: up to max_model_len).
         output_kind: what intermediate outputs carry (see RequestOutputKind).
+        structured_outputs: a constraint on the output (see StructuredOutputsParams).
     """
 
     n: int = 1
@@ -86,6 +149,7 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     extra_args: dict[str, Any] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
         if self.seed == -1:  # vLLM: -1 means no seed
