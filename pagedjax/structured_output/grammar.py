@@ -34,7 +34,7 @@ def constraint_key(so: StructuredOutputsParams) -> tuple[str, str, str | None]:
     kind = so.kind
     value = getattr(so, kind)
     if kind == "json" and not isinstance(value, str):
-        value = json.dumps(value, sort_keys=True)
+        value = json.dumps(value)  # not sort_keys: the schema's property order is the output's
     elif kind == "choice":
         value = json.dumps(list(value))
     elif kind == "json_object":
