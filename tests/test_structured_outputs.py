@@ -293,7 +293,11 @@ def test_late_compile_error_ends_only_that_request(llm, hf_greedy_cache):
 
 def test_slow_grammar_waits_alone(llm, monkeypatch):
     """While one request's grammar compiles (held here until released), another request keeps
-    receiving a token every step; the held request then runs constrained."""
+    receiving a token every step; the held request then runs constrained. The Prometheus
+    gauge counts the waiting request; the histograms count the compilation and the fills."""
+    from pagedjax.engine.prometheus import PrometheusStatLogger
+
+    metrics = PrometheusStatLogger("tiny")
     mgr = llm.llm_engine.structured_output
     release = threading.Event()
     compile_ = mgr._compile
@@ -322,12 +326,28 @@ def test_slow_grammar_waits_alone(llm, monkeypatch):
     assert len(got["free"].outputs[0].token_ids) == 6  # one token per step while it waits
     assert "slow" not in got
     assert eng.scheduler.stats().num_waiting_for_grammar == 1
+    metrics.record_scheduler_stats(eng.scheduler.stats(), 0)
+    assert _metric(metrics, "pagedjax:num_requests_waiting_for_grammar") == 1
+    mgr.take_timings()
     release.set()
     while eng.has_unfinished_requests():
         for o in eng.step():
             got[o.request_id] = o
     assert re.fullmatch("slow-[0-9]{3}", got["slow"].outputs[0].text)
     assert got["slow"].outputs[0].finish_reason == "stop"
+    metrics.record_scheduler_stats(eng.scheduler.stats(), 0)
+    metrics.record_grammar_timings(*mgr.take_timings())
+    assert _metric(metrics, "pagedjax:num_requests_waiting_for_grammar") == 0
+    assert _metric(metrics, "pagedjax:grammar_compile_seconds_count") == 1
+    # one fill per token of "slow-ddd" (8 byte tokens); it ends with the grammar, no EOS step
+    assert _metric(metrics, "pagedjax:grammar_bitmask_seconds_count") == 8
+
+
+def _metric(metrics, name: str) -> float:
+    for line in metrics.render().decode().splitlines():
+        if line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name)
 
 
 def test_device_mask_matches_llguidance_reference():

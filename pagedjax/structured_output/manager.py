@@ -13,8 +13,8 @@ Bitmask: each step, `fill_bitmask` gives the scheduled rows a [rows, ceil(V / 32
 sample nothing this step (a prefill chunk that is not the last) are all ones. llguidance sets
 EOS's bit only where the grammar may end.
 
-Timings, for the metrics: `compile_seconds` and `fill_seconds` collect each compilation's and
-each step fill's duration (drained by `take_timings`).
+Timings, for the metrics: each compilation's and each step fill's duration (seconds) is kept
+until `take_timings` drains them (at most `TIMINGS_KEPT` of each), and `stats` keeps totals.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from pagedjax.structured_output.request import StructuredOutputRequest
 logger = logging.getLogger(__name__)
 
 CACHE_SIZE = 256  # compiled grammars kept (least recently used dropped first)
+TIMINGS_KEPT = 4096  # undrained durations kept per kind
 
 
 def bitmask_width(vocab_size: int) -> int:
@@ -67,8 +68,10 @@ class StructuredOutputManager:
         self._executor: llg.LLExecutor | None = None
         self._cache: collections.OrderedDict = collections.OrderedDict()
         self._lock = threading.Lock()
-        self.compile_seconds: list[float] = []
-        self.fill_seconds: list[float] = []
+        self._compile_s: collections.deque = collections.deque(maxlen=TIMINGS_KEPT)
+        self._fill_s: collections.deque = collections.deque(maxlen=TIMINGS_KEPT)
+        # totals since start: grammars compiled, their seconds, bitmask fills, their seconds
+        self.stats = {"compiles": 0, "compile_s": 0.0, "fills": 0, "fill_s": 0.0}
 
     # ----------------------------------------------------------------- compilation
 
@@ -90,7 +93,9 @@ class StructuredOutputManager:
         matcher = llg.LLMatcher(tokenizer, text, log_level=0)
         dt = time.perf_counter() - t0
         with self._lock:
-            self.compile_seconds.append(dt)
+            self._compile_s.append(dt)
+            self.stats["compiles"] += 1
+            self.stats["compile_s"] += dt
         if matcher.is_error():
             raise ValueError(f"the grammar does not compile: {matcher.get_error()}")
         return matcher
@@ -135,14 +140,19 @@ class StructuredOutputManager:
             if self._executor is None:
                 self._executor = llg.LLExecutor()
             llg_np.fill_next_token_bitmask_par(self._executor, work, mask)
-        self.fill_seconds.append(time.perf_counter() - t0)
+        dt = time.perf_counter() - t0
+        self._fill_s.append(dt)
+        self.stats["fills"] += 1
+        self.stats["fill_s"] += dt
         return mask
 
     def take_timings(self) -> tuple[list[float], list[float]]:
         """The compile and fill durations (seconds) recorded since the last call."""
         with self._lock:
-            compiles, self.compile_seconds = self.compile_seconds, []
-        fills, self.fill_seconds = self.fill_seconds, []
+            compiles = list(self._compile_s)
+            self._compile_s.clear()
+        fills = list(self._fill_s)
+        self._fill_s.clear()
         return compiles, fills
 
     def shutdown(self) -> None:
