@@ -6,7 +6,9 @@ Compilation: the first request with a given constraint submits its grammar to a 
 llguidance tokenizer (the engine's Hugging Face tokenizer, as `llguidance.LLTokenizer`) is
 built once per engine, on the pool, when the first constrained request arrives. A request
 waits in the scheduler until its grammar is ready (vLLM's WAITING_FOR_FSM), so a slow grammar
-delays only itself.
+delays only itself. The pool's threads run at a lower CPU priority (nice + `WORKER_NICENESS`,
+Linux) so that, where cores are few, a long compilation takes CPU from the steps' threads only
+when they leave it idle.
 
 Bitmask: each step, `fill_bitmask` gives the scheduled rows a [rows, ceil(V / 32)] int32 mask
 (bit j of word w allows token 32 w + j; llguidance's layout); unconstrained rows and rows that
@@ -38,6 +40,16 @@ logger = logging.getLogger(__name__)
 
 CACHE_SIZE = 256  # compiled grammars kept (least recently used dropped first)
 TIMINGS_KEPT = 4096  # undrained durations kept per kind
+WORKER_NICENESS = 10  # added to the compile threads' nice value
+
+
+def _lower_priority() -> None:
+    """Thread initializer: this thread yields the CPU to the engine's (Linux: per thread)."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + WORKER_NICENESS)
+    except (AttributeError, OSError):  # not Linux, or not allowed: run at normal priority
+        pass
 
 
 def bitmask_width(vocab_size: int) -> int:
@@ -63,7 +75,9 @@ class StructuredOutputManager:
         self.eos_token_id = eos_token_id
         self.width = bitmask_width(vocab_size)
         workers = max_workers or min(4, max(1, (os.cpu_count() or 2) // 2))
-        self._pool = concurrent.futures.ThreadPoolExecutor(workers, "pagedjax-grammar")
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            workers, "pagedjax-grammar", initializer=_lower_priority
+        )
         self._tokenizer: concurrent.futures.Future | None = None
         self._executor: llg.LLExecutor | None = None
         self._cache: collections.OrderedDict = collections.OrderedDict()
