@@ -234,8 +234,9 @@ def test_under_preemption_and_with_prefix_hits(llm, lltok, recorder, hf_greedy_c
         dict(regex="[a-"),
         dict(grammar='start: "a" ('),
         dict(grammar='root ::= "a" undefined_rule'),
+        dict(json={"type": "object", "default": {1, 2}}),
     ],
-    ids=["schema-type", "schema-unsatisfiable", "schema-text", "regex", "lark", "gbnf"],
+    ids=["schema-type", "schema-unsatisfiable", "schema-text", "regex", "lark", "gbnf", "not-json"],
 )
 def test_bad_constraints_are_refused_and_others_finish(llm, so, hf_greedy_cache):
     eng = llm.llm_engine
