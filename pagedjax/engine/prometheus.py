@@ -122,7 +122,7 @@ class PrometheusStatLogger:
             registry=registry,
         )
         self._model_name = model_name
-        for reason in ("stop", "length", "abort"):
+        for reason in ("stop", "length", "abort", "error"):
             self._success.labels(model_name=model_name, finished_reason=reason)
         self.ttft = histogram(
             "vllm:time_to_first_token_seconds",
