@@ -86,13 +86,16 @@ def independent_grammar(so: SO) -> str:
 
 class StepRecorder:
     """Wraps the runner's `execute`: records, per (request id, output index), the bitmask row
-    the scheduler sent and the token sampled."""
+    the scheduler sent and the token sampled; checks that rows which sample nothing (prefill
+    chunks before the last) carry no mask, and counts them."""
 
     def __init__(self, llm):
         self.runner = llm.llm_engine.runner
+        self.scheduler = llm.llm_engine.scheduler
         self.inner = self.runner.execute
         self.rows: dict[tuple[str, int], tuple[np.ndarray | None, int]] = {}
         self.num_masked_steps = 0
+        self.num_constrained_chunks = 0  # constrained rows mid-prefill (no sample, no mask)
         self.runner.execute = self
 
     def __call__(self, so):
@@ -102,6 +105,11 @@ class StepRecorder:
         for i, seq in enumerate(so.scheduled):
             tok = result.sampled.get(seq.req_id)
             if tok is None:
+                assert not seq.samples
+                if so.grammar_bitmask is not None:
+                    assert (so.grammar_bitmask[i] == -1).all()
+                req = self.scheduler.requests.get(seq.req_id)
+                self.num_constrained_chunks += req is not None and req.structured_output is not None
                 continue
             row = None if so.grammar_bitmask is None else so.grammar_bitmask[i].copy()
             key = (seq.req_id, seq.num_output_tokens)
@@ -178,6 +186,24 @@ def test_every_token_is_allowed_and_outputs_match(llm, lltok, recorder, kind, te
     _assert_pool_whole(llm)
 
 
+def test_json_object_tokens_are_allowed(llm, lltok, recorder):
+    """json_object: any object, unbounded, so a random model's output is cut by max_tokens;
+    every token it drew is allowed, the output starts an object, and a complete one parses."""
+    so = SO(json_object=True)
+    params = SamplingParams(temperature=1.0, seed=5, max_tokens=30, structured_outputs=so)
+    outs = llm.generate([{"prompt_token_ids": p} for p in _prompts(3, 4)], params, use_tqdm=False)
+    for o in outs:
+        c = o.outputs[0]
+        complete = check_sequence(
+            lltok, SO(json={"type": "object"}), o.request_id, c.token_ids, recorder
+        )
+        assert c.text.lstrip().startswith("{")
+        if complete:
+            assert isinstance(json.loads(c.text), dict)
+        else:
+            assert c.finish_reason == "length" and len(c.token_ids) == 30
+
+
 def test_n3_samples_each_follow_the_grammar(llm, lltok, recorder):
     so = CONSTRAINTS["json"]
     params = SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=60, structured_outputs=so)
@@ -222,6 +248,7 @@ def test_under_preemption_and_with_prefix_hits(llm, lltok, recorder, hf_greedy_c
             )
     assert sched.num_preemptions > preempted
     assert sched.stats().prefix_cache_hits > hits
+    assert recorder.num_constrained_chunks > 0  # chunked prefills (recomputes) of constrained
     _assert_pool_whole(llm)
 
 
