@@ -19,6 +19,10 @@ one, and its share of the wall time), and the grammar compile time (one compile:
 the same, the others hit the cache). The variants share one engine, so compile and warm-up are
 paid once, outside the timed runs.
 
+The device side alone (`mask_apply`): the jitted `ops.bitmask.maybe_apply_token_bitmask` on
+[S, 49152] float32 logits for S = 16, 64, 256, with the flag off (what a step without a
+constrained row runs) and on; medians of 50 calls after a warm-up.
+
 Then the slow-grammar check: 8 unconstrained streams decode; a request with a large schema
 (`big_schema(400)`: 400 nested objects, 0.2-0.5 s to compile) is added mid-stream. The gaps
 between consecutive tokens of the streams while the grammar compiles are compared with the
@@ -169,6 +173,44 @@ def slow_grammar(llm, reqs: list[dict], synchronous: bool) -> dict:
     }
 
 
+def mask_apply(rows=(16, 64, 256), vocab: int = 49152, calls: int = 30) -> list[dict]:
+    """Seconds per call of greedy sampling (an argmax over [S, V] float32 logits) alone
+    (`base_s`), behind the step's masking with the flag off and an all-ones mask already on
+    the device (`off_s`, a step without constrained rows), and with the flag on and a mask
+    sent from the host (`on_s`)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from pagedjax.ops.bitmask import maybe_apply_token_bitmask
+
+    base = jax.jit(lambda x: jnp.argmax(x, axis=-1))
+    masked = jax.jit(lambda x, m, f: jnp.argmax(maybe_apply_token_bitmask(x, m, f), axis=-1))
+    out = []
+    for S in rows:
+        rng = np.random.default_rng(S)
+        logits = jax.device_put(rng.standard_normal((S, vocab)).astype(np.float32))
+        host_mask = rng.integers(-(2**31), 2**31, size=(S, (vocab + 31) // 32)).astype(np.int32)
+        ones = jax.device_put(np.full(host_mask.shape, -1, np.int32))
+        calls_ = {
+            "base_s": (base, (logits,)),
+            "off_s": (masked, (logits, ones, False)),
+            "on_s": (masked, (logits, host_mask, True)),
+        }
+        row = {"rows": S}
+        for fn, args in calls_.values():
+            fn(*args).block_until_ready()
+        times = {name: [] for name in calls_}
+        for _ in range(calls):  # interleaved, so that the machine's load hits all three alike
+            for name, (fn, args) in calls_.items():
+                t0 = time.perf_counter()
+                fn(*args).block_until_ready()
+                times[name].append(time.perf_counter() - t0)
+        row.update({name: statistics.median(t) for name, t in times.items()})
+        out.append(row)
+    return out
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workload", default=str(STANDARD_WORKLOAD))
@@ -192,6 +234,8 @@ def main(argv=None) -> None:
                 name, json.dumps({k: v for k, v in runs[name][-1].items() if k != "sample_output"})
             )
     slow = [slow_grammar(llm, reqs, synchronous) for synchronous in (False, True)]
+    masking = mask_apply()
+    print("mask apply", json.dumps(masking))
     for s in slow:
         print(
             "slow grammar",
@@ -232,6 +276,7 @@ def main(argv=None) -> None:
         "summary": summary,
         "runs": runs,
         "slow_grammar": slow,
+        "mask_apply": masking,
         "env": environment(),
     }
     print(json.dumps(summary, indent=1))
