@@ -1,0 +1,149 @@
+"""`StructuredOutputManager`: grammar compilation off the step path and the step's bitmask.
+
+Compilation: the first request with a given constraint submits its grammar to a thread pool
+(llguidance drops the GIL while it compiles); later requests with an equal constraint
+(`grammar.constraint_key`) share the cached future (an LRU of `CACHE_SIZE` grammars). The
+llguidance tokenizer (the engine's Hugging Face tokenizer, as `llguidance.LLTokenizer`) is
+built once per engine, on the pool, when the first constrained request arrives. A request
+waits in the scheduler until its grammar is ready (vLLM's WAITING_FOR_FSM), so a slow grammar
+delays only itself.
+
+Bitmask: each step, `fill_bitmask` gives the scheduled rows a [rows, ceil(V / 32)] int32 mask
+(bit j of word w allows token 32 w + j; llguidance's layout); unconstrained rows and rows that
+sample nothing this step (a prefill chunk that is not the last) are all ones. llguidance sets
+EOS's bit only where the grammar may end.
+
+Timings, for the metrics: `compile_seconds` and `fill_seconds` collect each compilation's and
+each step fill's duration (drained by `take_timings`).
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import logging
+import os
+import threading
+import time
+
+import llguidance as llg
+import llguidance.numpy as llg_np
+import numpy as np
+
+from pagedjax.sampling_params import StructuredOutputsParams
+from pagedjax.structured_output.grammar import constraint_key, grammar_text
+from pagedjax.structured_output.request import StructuredOutputRequest
+
+logger = logging.getLogger(__name__)
+
+CACHE_SIZE = 256  # compiled grammars kept (least recently used dropped first)
+
+
+def bitmask_width(vocab_size: int) -> int:
+    """int32 words per bitmask row: ceil(vocab_size / 32)."""
+    return (vocab_size + 31) // 32
+
+
+class StructuredOutputManager:
+    """Compiles constraints and fills token bitmasks for one engine.
+
+    Args:
+        tokenizer: the engine's Hugging Face fast tokenizer.
+        vocab_size: the model's vocabulary (logits width; may exceed the tokenizer's).
+        eos_token_id: the token that ends a sequence (allowed where the grammar may end).
+        max_workers: compile threads (default: half the CPUs, 1 to 4).
+    """
+
+    def __init__(
+        self, tokenizer, vocab_size: int, eos_token_id: int | None, max_workers: int | None = None
+    ):
+        self.hf_tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
+        self.width = bitmask_width(vocab_size)
+        workers = max_workers or min(4, max(1, (os.cpu_count() or 2) // 2))
+        self._pool = concurrent.futures.ThreadPoolExecutor(workers, "pagedjax-grammar")
+        self._tokenizer: concurrent.futures.Future | None = None
+        self._executor: llg.LLExecutor | None = None
+        self._cache: collections.OrderedDict = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self.compile_seconds: list[float] = []
+        self.fill_seconds: list[float] = []
+
+    # ----------------------------------------------------------------- compilation
+
+    def _build_tokenizer(self) -> llg.LLTokenizer:
+        import llguidance.hf
+
+        t0 = time.perf_counter()
+        tok = llguidance.hf.from_tokenizer(
+            self.hf_tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_id
+        )
+        logger.info(
+            "structured outputs: llguidance tokenizer built in %.2f s", time.perf_counter() - t0
+        )
+        return tok
+
+    def _compile(self, text: str) -> llg.LLMatcher:
+        tokenizer = self._tokenizer.result()
+        t0 = time.perf_counter()
+        matcher = llg.LLMatcher(tokenizer, text, log_level=0)
+        dt = time.perf_counter() - t0
+        with self._lock:
+            self.compile_seconds.append(dt)
+        if matcher.is_error():
+            raise ValueError(f"the grammar does not compile: {matcher.get_error()}")
+        return matcher
+
+    def new_request(self, so: StructuredOutputsParams) -> StructuredOutputRequest:
+        """The state of one sequence under `so`; its grammar compiles on the pool (or comes
+        from the cache). Call once per sequence (each of n samples has its own matcher)."""
+        key = constraint_key(so)
+        with self._lock:
+            if self._tokenizer is None:
+                self._tokenizer = self._pool.submit(self._build_tokenizer)
+            fut = self._cache.get(key)
+            if fut is None or (fut.done() and fut.exception() is not None):
+                fut = self._pool.submit(lambda: self._compile(grammar_text(so)))
+                self._cache[key] = fut
+                while len(self._cache) > CACHE_SIZE:
+                    self._cache.popitem(last=False)
+            else:
+                self._cache.move_to_end(key)
+        return StructuredOutputRequest(so.kind, fut)
+
+    def wait_any(self, requests: list[StructuredOutputRequest], timeout: float) -> None:
+        """Blocks until one of `requests`' grammars is ready or `timeout` seconds pass (the
+        scheduler calls it only when nothing else can run)."""
+        concurrent.futures.wait(
+            [r.compiled for r in requests],
+            timeout=timeout,
+            return_when=concurrent.futures.FIRST_COMPLETED,
+        )
+
+    # ----------------------------------------------------------------- bitmasks
+
+    def fill_bitmask(self, rows: list[StructuredOutputRequest | None]) -> np.ndarray:
+        """[len(rows), ceil(V / 32)] int32: each constrained row's allowed next tokens, -1
+        (all allowed) for None rows."""
+        t0 = time.perf_counter()
+        mask = np.full((len(rows), self.width), -1, np.int32)
+        work = [(r.get_matcher(), i) for i, r in enumerate(rows) if r is not None]
+        if len(work) == 1:
+            llg_np.fill_next_token_bitmask(work[0][0], mask, work[0][1])
+        elif work:
+            if self._executor is None:
+                self._executor = llg.LLExecutor()
+            llg_np.fill_next_token_bitmask_par(self._executor, work, mask)
+        self.fill_seconds.append(time.perf_counter() - t0)
+        return mask
+
+    def take_timings(self) -> tuple[list[float], list[float]]:
+        """The compile and fill durations (seconds) recorded since the last call."""
+        with self._lock:
+            compiles, self.compile_seconds = self.compile_seconds, []
+        fills, self.fill_seconds = self.fill_seconds, []
+        return compiles, fills
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
