@@ -501,3 +501,17 @@ def test_tool_flags(tokenizer, tmp_path):
         cli.build_parser().parse_args(["serve", "--tool-call-parser", "nope"])
     with pytest.raises(ValueError, match="--tool-call-parser"):
         build_app(StubEngine(tokenizer), enable_auto_tool_choice=True)
+
+
+def test_chat_template_flag_takes_a_file_or_the_text(tmp_path):
+    from pagedjax.server.api_server import _load_chat_template
+
+    long_text = TOOL_TEMPLATE + "{# " + "x" * 500 + " #}"  # longer than a file name may be
+    assert _load_chat_template(long_text) == long_text
+    path = tmp_path / "t.jinja"
+    path.write_text(TOOL_TEMPLATE)
+    assert _load_chat_template(str(path)) == TOOL_TEMPLATE
+    with pytest.raises(ValueError, match="cannot read --chat-template"):
+        _load_chat_template(str(tmp_path / "missing.jinja"))
+    with pytest.raises(ValueError, match="not a valid Jinja template"):
+        _load_chat_template("{% for m in messages %}")

@@ -344,15 +344,30 @@ def build_app(
 
 
 def _load_chat_template(value: str | None) -> str | None:
+    """The `--chat-template` value as template text: Jinja text itself (it holds "{{" or
+    "{%"), else the path of a file holding it.
+
+    Raises:
+        ValueError: a file that cannot be read, or text that is not valid Jinja.
+    """
     if value is None:
         return None
-    path = Path(value)
-    if path.suffix in (".jinja", ".j2", ".txt") or path.exists():
+    text = value
+    if "{{" not in value and "{%" not in value:
         try:
-            return path.read_text()
+            text = Path(value).read_text()
         except OSError as e:
-            raise ValueError(f"cannot read --chat-template {value!r}: {e}") from e
-    return value
+            raise ValueError(
+                f"cannot read --chat-template {value!r}: {e.strerror or e} (give a file, or the "
+                "template's Jinja text)"
+            ) from e
+    import jinja2
+
+    try:
+        jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"--chat-template is not a valid Jinja template: {e}") from e
+    return text
 
 
 def run_server(ns: argparse.Namespace, sock: socket.socket | None = None) -> int:
