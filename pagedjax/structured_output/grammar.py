@@ -30,11 +30,20 @@ SYNC_VALIDATION_MAX_CHARS = 16_384  # constraints up to this size are validated 
 
 
 def constraint_key(so: StructuredOutputsParams) -> tuple[str, str, str | None]:
-    """(kind, canonical text, whitespace_pattern): equal keys compile to the same grammar."""
+    """(kind, canonical text, whitespace_pattern): equal keys compile to the same grammar.
+
+    Raises:
+        InvalidInputError (param "structured_outputs"): a schema dict that is not JSON data.
+    """
     kind = so.kind
     value = getattr(so, kind)
     if kind == "json" and not isinstance(value, str):
-        value = json.dumps(value, sort_keys=True)
+        try:  # not sort_keys: the schema's property order is the output's
+            value = json.dumps(value)
+        except (TypeError, ValueError) as e:
+            raise InvalidInputError(
+                f"structured_outputs.json is not JSON data: {e}", PARAM
+            ) from None
     elif kind == "choice":
         value = json.dumps(list(value))
     elif kind == "json_object":

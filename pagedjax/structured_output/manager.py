@@ -6,15 +6,17 @@ Compilation: the first request with a given constraint submits its grammar to a 
 llguidance tokenizer (the engine's Hugging Face tokenizer, as `llguidance.LLTokenizer`) is
 built once per engine, on the pool, when the first constrained request arrives. A request
 waits in the scheduler until its grammar is ready (vLLM's WAITING_FOR_FSM), so a slow grammar
-delays only itself.
+delays only itself. The pool's threads run at a lower CPU priority (nice + `WORKER_NICENESS`,
+Linux) so that, where cores are few, a long compilation takes CPU from the steps' threads only
+when they leave it idle.
 
 Bitmask: each step, `fill_bitmask` gives the scheduled rows a [rows, ceil(V / 32)] int32 mask
 (bit j of word w allows token 32 w + j; llguidance's layout); unconstrained rows and rows that
 sample nothing this step (a prefill chunk that is not the last) are all ones. llguidance sets
 EOS's bit only where the grammar may end.
 
-Timings, for the metrics: `compile_seconds` and `fill_seconds` collect each compilation's and
-each step fill's duration (drained by `take_timings`).
+Timings, for the metrics: each compilation's and each step fill's duration (seconds) is kept
+until `take_timings` drains them (at most `TIMINGS_KEPT` of each), and `stats` keeps totals.
 """
 
 from __future__ import annotations
@@ -37,6 +39,17 @@ from pagedjax.structured_output.request import StructuredOutputRequest
 logger = logging.getLogger(__name__)
 
 CACHE_SIZE = 256  # compiled grammars kept (least recently used dropped first)
+TIMINGS_KEPT = 4096  # undrained durations kept per kind
+WORKER_NICENESS = 10  # added to the compile threads' nice value
+
+
+def _lower_priority() -> None:
+    """Thread initializer: this thread yields the CPU to the engine's (Linux: per thread)."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + WORKER_NICENESS)
+    except (AttributeError, OSError):  # not Linux, or not allowed: run at normal priority
+        pass
 
 
 def bitmask_width(vocab_size: int) -> int:
@@ -62,13 +75,17 @@ class StructuredOutputManager:
         self.eos_token_id = eos_token_id
         self.width = bitmask_width(vocab_size)
         workers = max_workers or min(4, max(1, (os.cpu_count() or 2) // 2))
-        self._pool = concurrent.futures.ThreadPoolExecutor(workers, "pagedjax-grammar")
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            workers, "pagedjax-grammar", initializer=_lower_priority
+        )
         self._tokenizer: concurrent.futures.Future | None = None
         self._executor: llg.LLExecutor | None = None
         self._cache: collections.OrderedDict = collections.OrderedDict()
         self._lock = threading.Lock()
-        self.compile_seconds: list[float] = []
-        self.fill_seconds: list[float] = []
+        self._compile_s: collections.deque = collections.deque(maxlen=TIMINGS_KEPT)
+        self._fill_s: collections.deque = collections.deque(maxlen=TIMINGS_KEPT)
+        # totals since start: grammars compiled, their seconds, bitmask fills, their seconds
+        self.stats = {"compiles": 0, "compile_s": 0.0, "fills": 0, "fill_s": 0.0}
 
     # ----------------------------------------------------------------- compilation
 
@@ -90,7 +107,9 @@ class StructuredOutputManager:
         matcher = llg.LLMatcher(tokenizer, text, log_level=0)
         dt = time.perf_counter() - t0
         with self._lock:
-            self.compile_seconds.append(dt)
+            self._compile_s.append(dt)
+            self.stats["compiles"] += 1
+            self.stats["compile_s"] += dt
         if matcher.is_error():
             raise ValueError(f"the grammar does not compile: {matcher.get_error()}")
         return matcher
@@ -135,14 +154,19 @@ class StructuredOutputManager:
             if self._executor is None:
                 self._executor = llg.LLExecutor()
             llg_np.fill_next_token_bitmask_par(self._executor, work, mask)
-        self.fill_seconds.append(time.perf_counter() - t0)
+        dt = time.perf_counter() - t0
+        self._fill_s.append(dt)
+        self.stats["fills"] += 1
+        self.stats["fill_s"] += dt
         return mask
 
     def take_timings(self) -> tuple[list[float], list[float]]:
         """The compile and fill durations (seconds) recorded since the last call."""
         with self._lock:
-            compiles, self.compile_seconds = self.compile_seconds, []
-        fills, self.fill_seconds = self.fill_seconds, []
+            compiles = list(self._compile_s)
+            self._compile_s.clear()
+        fills = list(self._fill_s)
+        self._fill_s.clear()
         return compiles, fills
 
     def shutdown(self) -> None:

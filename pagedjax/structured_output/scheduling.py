@@ -53,7 +53,9 @@ class GrammarWaitQueue:
             if not so.is_ready():
                 kept.append(r)
             elif (error := so.compile_error()) is not None:
-                failed.append((r, f"structured_outputs.{so.kind} is invalid: {error}"))
+                if not error.startswith("structured_outputs"):
+                    error = f"structured_outputs.{so.kind} is invalid: {error}"
+                failed.append((r, error))
             else:
                 ready.append(r)
         self._reqs = kept
