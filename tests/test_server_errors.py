@@ -391,6 +391,8 @@ FUZZED = ["POST /v1/completions", "POST /v1/chat/completions", "POST /tokenize",
 _REFUSED = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "logit_bias")
 _REFUSED += ("allowed_token_ids", "bad_words", "prompt_logprobs", "logprobs", "top_logprobs")
 _REFUSED += ("stop_token_ids", "min_tokens", "truncate_prompt_tokens")
+# random constraints and tools are mostly refused (no kind set, "auto" tool choice off, ...)
+_REFUSED += ("response_format", "structured_outputs", "tools", "tool_choice")
 
 
 def _reaching_engine(case):
