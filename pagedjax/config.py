@@ -196,8 +196,8 @@ class ParallelConfig:
         if self.pp_layer_partition is not None:
             if len(self.pp_layer_partition) != self.pipeline_parallel_size:
                 raise ValueError(
-                    f"pp_layer_partition {self.pp_layer_partition} gives "
-                    f"{len(self.pp_layer_partition)} stages; pipeline_parallel_size is "
+                    f"pp_layer_partition {self.pp_layer_partition} has "
+                    f"{len(self.pp_layer_partition)} entries; pipeline_parallel_size is "
                     f"{self.pipeline_parallel_size}"
                 )
             if any(not isinstance(n, int) or n < 1 for n in self.pp_layer_partition):

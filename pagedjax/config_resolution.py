@@ -65,7 +65,7 @@ def resolve_engine_config(args) -> EngineConfig:
     arch = loader.load_arch_config(source)
     pp_partition = stages.parse_layer_partition(args.pp_layer_partition)
     stage_sizes = stages.stage_partition(
-        arch.num_hidden_layers, args.pipeline_parallel_size, pp_partition
+        arch.num_hidden_layers, args.pipeline_parallel_size, args.pp_layer_partition
     )
     if args.pipeline_parallel_size > 1 and len(set(stage_sizes)) > 1:
         logger.info("pipeline stages of uneven size: %s layers", list(stage_sizes))

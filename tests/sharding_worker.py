@@ -4,9 +4,10 @@ subprocess, because XLA_FLAGS must be set before jax is imported.
 
 Usage: sharding_worker.py FOLDER CACHE_DIR LAYOUTS [MODELS]: each of the comma-separated
 MODELS (keys of `MODELS`, default "llama") is written to FOLDER/<model> and run under each of
-the comma-separated LAYOUTS (or under its own, "model=layout+layout"); the report is {model: {layout: ...}}, and for a model with a
-sliding window also {model: {"hf": HF's greedy tokens, "hf_full": the same weights' without
-the window}}."""
+the comma-separated LAYOUTS (or under its own, "model=layout+layout"); the report is
+{model: {layout: ...}}, and for a model with a sliding window also {model: {"hf": HF's
+greedy tokens, "hf_full": the same weights' without the window}}. The model "smollm2" is
+the real default model (not written)."""
 
 from __future__ import annotations
 
@@ -145,9 +146,7 @@ def main(folder: str, cache_dir: str, layouts: list[str], models: list[str]) -> 
                 make_gemma_checkpoint(model_dir, **kw)
             else:
                 conftest.make_checkpoint(model_dir, **kw)
-        report[model] = run_model(
-            model_dir, cache_dir, own.split("+") if own else layouts, prompts
-        )
+        report[model] = run_model(model_dir, cache_dir, own.split("+") if own else layouts, prompts)
         if (MODELS[model] or {}).get("sliding_window"):
             report[model].update(hf_window_report(model_dir, prompts))
     print("REPORT " + json.dumps(report))

@@ -65,13 +65,12 @@ def stage_partition(
     if sizes is not None:
         if len(sizes) != num_stages:
             raise ValueError(
-                f"{FIELD} {partition!r} gives {len(sizes)} stages; pipeline_parallel_size is "
+                f"{FIELD} {partition!r} has {len(sizes)} entries; pipeline_parallel_size is "
                 f"{num_stages}"
             )
         if sum(sizes) != num_layers:
             raise ValueError(
-                f"{FIELD} {partition!r} adds up to {sum(sizes)} layers; the model has "
-                f"{num_layers}"
+                f"{FIELD} {partition!r} adds up to {sum(sizes)} layers; the model has {num_layers}"
             )
         return sizes
     if num_stages > num_layers:
