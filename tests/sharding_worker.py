@@ -34,6 +34,7 @@ LAYOUTS = {
     "pp2-part12": {"pipeline_parallel_size": 2, "pp_layer_partition": "1,2"},
     "int8": {"quantization": "int8"},
     "tp2-int8": {"quantization": "int8", "tensor_parallel_size": 2},
+    "pp2-int8": {"quantization": "int8", "pipeline_parallel_size": 2},
 }
 # `conftest.make_checkpoint` arguments of each model (2 layers, 4 query heads, 2 KV heads).
 MODELS = {

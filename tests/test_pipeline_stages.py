@@ -141,8 +141,10 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory, compile_cache_dir):
-    models = ",".join(f"{m}=single+{'+'.join(layouts)}" for m, layouts in CASES.items())
-    return run_worker(tmp_path_factory.mktemp("uneven-stages"), compile_cache_dir, "", models)
+    models = [f"{m}=single+{'+'.join(layouts)}" for m, layouts in CASES.items()]
+    models[0] += "+int8+pp2-int8"  # llama-l3
+    folder = tmp_path_factory.mktemp("uneven-stages")
+    return run_worker(folder, compile_cache_dir, "", ",".join(models))
 
 
 CASE_IDS = [(m, layout) for m, layouts in CASES.items() for layout in layouts]
@@ -176,6 +178,16 @@ def test_padded_shard_shapes(report, model, layout):
         assert shapes == [[rows, 40, 16, heads, head_dim]] * devices
     per_device = 2 * rows * 40 * 16 * heads * head_dim * 4  # K and V
     assert sorted(replica["kv_bytes"].values()) == [per_device] * devices
+
+
+def test_int8_weights_in_uneven_stages(report):
+    """Quantized stacks are padded field by field: the int8 weights and their scales hold 2
+    rows per device, and the output is the single-device int8 one."""
+    rep = report["llama-l3"]
+    assert rep["pp2-int8"]["tokens"] == rep["int8"]["tokens"]
+    params = rep["pp2-int8"]["replicas"][0]["params"]
+    assert params["['layers']['q_proj'].qweight"] == [[2, 64, 64]] * 2
+    assert params["['layers']['q_proj'].scales"] == [[2, 64]] * 2
 
 
 @pytest.mark.slow
