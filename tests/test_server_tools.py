@@ -347,6 +347,9 @@ def test_tools_and_tool_history_are_rendered_by_the_template(tokenizer, caplog):
     )  # the assistant's call, its arguments as an object
     assert "<tool_response id=call-1>21 C, sunny</tool_response>" in prompt
     assert prompt.endswith("<|im_start|>assistant\n")
+    # /tokenize renders the same prompt
+    body = {"messages": messages, "tools": TOOLS}
+    assert _post(app, "/tokenize", body).json()["tokens"] == engine.requests[-1][0]
     # the tokenizer's own template ignores tools: rendered without them, logged once
     engine, app = _app(tokenizer)
     with caplog.at_level(logging.WARNING, logger="pagedjax.server.serving"):

@@ -297,11 +297,13 @@ class ChatCompletionRequest(SamplingRequest):
 
 
 class TokenizeRequest(OpenAIBaseModel):
-    """`POST /tokenize`: a prompt, or chat messages rendered through the chat template."""
+    """`POST /tokenize`: a prompt, or chat messages (and tools) rendered through the chat
+    template."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[ChatCompletionTool] | None = Field(None, max_length=1024)
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False

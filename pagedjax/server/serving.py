@@ -230,7 +230,10 @@ class OpenAIServing:
             if request.add_generation_prompt and request.continue_final_message:
                 raise bad_request("add_generation_prompt and continue_final_message are exclusive")
             ids = await self.render_chat_async(
-                request.messages, request.add_generation_prompt, request.continue_final_message
+                request.messages,
+                request.add_generation_prompt,
+                request.continue_final_message,
+                request.tools,
             )
         else:
             add = True if request.add_special_tokens is None else request.add_special_tokens
