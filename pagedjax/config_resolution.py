@@ -87,6 +87,8 @@ def resolve_engine_config(args) -> EngineConfig:
     )
     from pagedjax.ops import cpu_kernels
 
+    # Raises a ValueError naming cpu_kernel_isa for an unknown path or one the CPU lacks.
+    cpu_kernel_isa = cpu_kernels.set_default_isa(args.cpu_kernel_isa)
     if backend == "cpu":
         _check_native("attention_backend", on_cpu and one_device)
     if backend == "auto":
@@ -130,6 +132,7 @@ def resolve_engine_config(args) -> EngineConfig:
         attention_backend=backend,
         max_logprobs=args.max_logprobs,
         linear_backend=linear_backend,
+        cpu_kernel_isa=cpu_kernel_isa,
         download_dir=args.download_dir,
         quantization=quantization,
     )

@@ -15,6 +15,7 @@ from typing import Any
 from pagedjax.config import (
     ALLOWED_BLOCK_SIZES,
     ATTENTION_BACKENDS,
+    CPU_KERNEL_ISAS,
     DTYPES,
     EXECUTOR_BACKENDS,
     KV_CACHE_DTYPES,
@@ -103,6 +104,12 @@ class EngineArgs:
         "Linear-layer implementation ('auto': 'cpu', pre-packed float32 weights and LM head "
         "through the native matmul, on one CPU device when the C++ kernels build, else 'xla').",
         choices=LINEAR_BACKENDS,
+    )
+    cpu_kernel_isa: str = _field(
+        "auto",
+        "ISA path of the native CPU kernels ('auto': the widest the CPU runs, avx512 > avx2 > "
+        "portable; a narrower one may be forced, one build of the kernels per path).",
+        choices=CPU_KERNEL_ISAS,
     )
     max_logprobs: int = _field(20, "Most logprobs / prompt_logprobs a request may ask for.")
     download_dir: str | None = _field(

@@ -16,7 +16,7 @@ import jax
 
 from pagedjax.config import EngineConfig
 from pagedjax.models import loader, registry
-from pagedjax.ops import cpu_linear
+from pagedjax.ops import cpu_kernels, cpu_linear
 from pagedjax.sharding.mesh import device_grid, replica_mesh
 from pagedjax.sharding.rules import ShardingPlan
 
@@ -53,6 +53,8 @@ def load_model(config: EngineConfig, devices=None) -> LoadedModel:
     """
     mc, cc, pc = config.model_config, config.cache_config, config.parallel_config
     setup_compilation_cache(config.compilation_cache_dir)
+    # The native kernels' ISA path, for every trace in this process (a worker process too).
+    cpu_kernels.set_default_isa(mc.cpu_kernel_isa)
     t0 = time.perf_counter()
     source = loader.ModelSource(mc.source_kind, mc.source_path)
     if source.kind == "gguf":
