@@ -62,7 +62,8 @@ class ModelConfig:
         download_dir: where conversions are cached.
         quantization: None (float weights), "int8" | "w8a8" | "fp8" (float weights quantized
             on load, or an fp8 checkpoint), "awq" | "gptq" (4-bit checkpoints), or "gguf" (a
-            GGUF file, dequantized on load).
+            GGUF file with its quantized tensors kept in their blocks; a GGUF file with None
+            is dequantized on load).
     """
 
     model: str

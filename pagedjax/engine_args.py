@@ -74,7 +74,9 @@ class EngineArgs:
     quantization: str | None = _field(
         None,
         "Weight quantization: int8 (weight-only), w8a8, fp8 (quantized on load), awq, gptq "
-        "(4-bit checkpoints); default: the checkpoint's quantization_config.",
+        "(4-bit checkpoints), gguf (a GGUF file's blocks kept quantized); default: the "
+        "checkpoint's quantization_config, and for a GGUF file gguf unless dtype is given (then "
+        "dequantized to it).",
         choices=QUANTIZATION_METHODS,
     )
     enable_chunked_prefill: bool = _field(True, "Prefill long prompts over several steps.")
