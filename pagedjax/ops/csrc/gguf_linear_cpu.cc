@@ -17,31 +17,39 @@
 // rows) are spread over XLA's intra-op thread pool. Built by pagedjax/ops/cpu_kernels.py.
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <utility>
 #include <vector>
 
 #include "simd.h"
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int NB = 4;                     // rows of W dequantized together
-constexpr int MB = kVecRegs >= 32 ? 4 : 2;  // rows of x per register block
+constexpr int NB = 4;  // rows of W dequantized together for dot products (small M)
 
 // ggml's type ids (pagedjax/ops/gguf_quant.py GGML_TYPE_IDS).
 enum QType : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 
-// IEEE half (little-endian bytes) -> float, normals, subnormals, inf and NaN.
+// IEEE half (little-endian bytes) -> float: F16C where the path has it, else by bits
+// (normals, subnormals, inf and NaN).
 inline float Half(const uint8_t* p) {
-  const uint32_t h = uint32_t(p[0]) | (uint32_t(p[1]) << 8);
-  const uint32_t sign = (h & 0x8000u) << 16;
+  const uint16_t h = uint16_t(p[0] | (p[1] << 8));
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = (uint32_t(h) & 0x8000u) << 16;
   const uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff;
   uint32_t bits;
   if (exp == 0) {
@@ -56,6 +64,64 @@ inline float Half(const uint8_t* p) {
   float out;
   std::memcpy(&out, &bits, 4);
   return out;
+#endif
+}
+
+typedef int8_t vsbu __attribute__((vector_size(kVecFloats), aligned(1)));  // signed bytes
+
+// kVecFloats bytes -> int32 lanes, zero- (U8) or sign-extended (S8): one vpmovzxbd /
+// vpmovsxbd on x86 (GCC's __builtin_convertvector widens lane by lane).
+inline vi WidenU8(const uint8_t* p) {
+#if defined(PAGEDJAX_ISA_AVX512)
+  return (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#elif defined(PAGEDJAX_ISA_AVX2)
+  return (vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+#elif defined(__SSE4_1__)
+  int32_t word;
+  std::memcpy(&word, p, 4);
+  return (vi)_mm_cvtepu8_epi32(_mm_cvtsi32_si128(word));
+#else
+  return __builtin_convertvector(*reinterpret_cast<const vbu*>(p), vi);
+#endif
+}
+
+inline vi WidenS8(const uint8_t* p) {
+#if defined(PAGEDJAX_ISA_AVX512)
+  return (vi)_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#elif defined(PAGEDJAX_ISA_AVX2)
+  return (vi)_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+#elif defined(__SSE4_1__)
+  int32_t word;
+  std::memcpy(&word, p, 4);
+  return (vi)_mm_cvtepi8_epi32(_mm_cvtsi32_si128(word));
+#else
+  return __builtin_convertvector(*reinterpret_cast<const vsbu*>(p), vi);
+#endif
+}
+
+inline vi Iota() {
+  vi v;
+  for (int i = 0; i < kVecFloats; ++i) v[i] = i;
+  return v;
+}
+
+// A 32-value block's 16 nibble bytes -> out[0:32] = d * q + m (value j from the low half of
+// byte j, value j + 16 from its high half); with qh, bit j of qh is value j's fifth bit.
+template <bool kFifth>
+inline void Nibbles32(const uint8_t* qs, uint32_t qh, float d, float m, float* out) {
+  const vf dv = Splat(d), mv = Splat(m);
+  for (int c = 0; c < 16; c += kVecFloats) {
+    const vi q = WidenU8(qs + c);
+    vi lo = q & 0xF, hi = q >> 4;
+    if constexpr (kFifth) {
+      const vi j = Iota() + c;
+      const vi h = vi{} + int32_t(qh);
+      lo |= ((h >> j) & 1) << 4;
+      hi |= ((h >> (j + 16)) & 1) << 4;
+    }
+    VStore(out + c, dv * __builtin_convertvector(lo, vf) + mv);
+    VStore(out + 16 + c, dv * __builtin_convertvector(hi, vf) + mv);
+  }
 }
 
 inline void ScaleMinK4(int j, const uint8_t* s, int* sc, int* mn) {
@@ -74,20 +140,18 @@ template <int64_t T>
 void DequantRow(const uint8_t* __restrict b, int64_t K, float* __restrict out) {
   if constexpr (T == Q8_0) {
     for (int64_t i = 0; i < K / 32; ++i, b += 34, out += 32) {
-      const float d = Half(b);
-      const int8_t* q = reinterpret_cast<const int8_t*>(b + 2);
-      for (int l = 0; l < 32; ++l) out[l] = d * float(q[l]);
+      const vf d = Splat(Half(b));
+      for (int c = 0; c < 32; c += kVecFloats) {
+        const vi q = WidenS8(b + 2 + c);
+        VStore(out + c, d * __builtin_convertvector(q, vf));
+      }
     }
   } else if constexpr (T == Q4_0 || T == Q4_1) {
     constexpr int64_t bytes = T == Q4_0 ? 18 : 20;
     for (int64_t i = 0; i < K / 32; ++i, b += bytes, out += 32) {
       const float d = Half(b);
       const float m = T == Q4_1 ? Half(b + 2) : -8.0f * d;
-      const uint8_t* qs = b + (T == Q4_0 ? 2 : 4);
-      for (int l = 0; l < 16; ++l) {
-        out[l] = d * float(qs[l] & 0xF) + m;
-        out[l + 16] = d * float(qs[l] >> 4) + m;
-      }
+      Nibbles32<false>(b + (T == Q4_0 ? 2 : 4), 0, d, m, out);
     }
   } else if constexpr (T == Q5_0 || T == Q5_1) {
     constexpr int64_t bytes = T == Q5_0 ? 22 : 24;
@@ -97,13 +161,7 @@ void DequantRow(const uint8_t* __restrict b, int64_t K, float* __restrict out) {
       const uint8_t* hb = b + (T == Q5_0 ? 2 : 4);
       const uint32_t qh = uint32_t(hb[0]) | (uint32_t(hb[1]) << 8) | (uint32_t(hb[2]) << 16) |
                           (uint32_t(hb[3]) << 24);
-      const uint8_t* qs = hb + 4;
-      for (int l = 0; l < 16; ++l) {
-        const int lo = (qs[l] & 0xF) | (((qh >> l) & 1) << 4);
-        const int hi = (qs[l] >> 4) | (((qh >> (l + 16)) & 1) << 4);
-        out[l] = d * float(lo) + m;
-        out[l + 16] = d * float(hi) + m;
-      }
+      Nibbles32<true>(hb + 4, qh, d, m, out);
     }
   } else if constexpr (T == Q4_K || T == Q5_K) {
     constexpr int64_t bytes = T == Q4_K ? 144 : 176;
@@ -119,14 +177,16 @@ void DequantRow(const uint8_t* __restrict b, int64_t K, float* __restrict out) {
         const float d0 = d * sc0, m0 = dmin * mn0, d1 = d * sc1, m1 = dmin * mn1;
         const uint8_t* q = qs + 32 * j;
         float* o = out + 64 * j;
-        for (int l = 0; l < 32; ++l) {
-          int lo = q[l] & 0xF, hi = q[l] >> 4;
+        for (int c = 0; c < 32; c += kVecFloats) {
+          const vi v = WidenU8(q + c);
+          vi lo = v & 0xF, hi = v >> 4;
           if constexpr (T == Q5_K) {
-            lo |= ((qh[l] >> (2 * j)) & 1) << 4;
-            hi |= ((qh[l] >> (2 * j + 1)) & 1) << 4;
+            const vi h = WidenU8(qh + c);
+            lo |= ((h >> (2 * j)) & 1) << 4;
+            hi |= ((h >> (2 * j + 1)) & 1) << 4;
           }
-          o[l] = d0 * float(lo) - m0;
-          o[l + 32] = d1 * float(hi) - m1;
+          VStore(o + c, Splat(d0) * __builtin_convertvector(lo, vf) - Splat(m0));
+          VStore(o + 32 + c, Splat(d1) * __builtin_convertvector(hi, vf) - Splat(m1));
         }
       }
     }
@@ -139,16 +199,17 @@ void DequantRow(const uint8_t* __restrict b, int64_t K, float* __restrict out) {
         const uint8_t* qh = b + 128 + 32 * h;
         float* o = out + 128 * h;
         const int8_t* s = sc + 8 * h;
-        for (int l = 0; l < 32; ++l) {
-          const int is = l / 16;
-          const int q1 = ((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32;
-          const int q2 = ((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32;
-          const int q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
-          const int q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
-          o[l] = d * float(s[is]) * float(q1);
-          o[l + 32] = d * float(s[is + 2]) * float(q2);
-          o[l + 64] = d * float(s[is + 4]) * float(q3);
-          o[l + 96] = d * float(s[is + 6]) * float(q4);
+        for (int c = 0; c < 32; c += kVecFloats) {  // a chunk lies in one group of 16
+          const int is = c / 16;
+          const vi lo = WidenU8(ql + c), hi = WidenU8(ql + 32 + c), top = WidenU8(qh + c);
+          const vi q1 = ((lo & 0xF) | ((top & 3) << 4)) - 32;
+          const vi q2 = ((hi & 0xF) | (((top >> 2) & 3) << 4)) - 32;
+          const vi q3 = ((lo >> 4) | (((top >> 4) & 3) << 4)) - 32;
+          const vi q4 = ((hi >> 4) | (((top >> 6) & 3) << 4)) - 32;
+          VStore(o + c, Splat(d * float(s[is])) * __builtin_convertvector(q1, vf));
+          VStore(o + 32 + c, Splat(d * float(s[is + 2])) * __builtin_convertvector(q2, vf));
+          VStore(o + 64 + c, Splat(d * float(s[is + 4])) * __builtin_convertvector(q3, vf));
+          VStore(o + 96 + c, Splat(d * float(s[is + 6])) * __builtin_convertvector(q4, vf));
         }
       }
     }
@@ -171,31 +232,73 @@ DequantFn Dequantizer(int64_t qtype) {
   }
 }
 
-// y[m0 + r, n0 + j] = dot(x[m0 + r, :], w[j, :]) for r < R, j < J (w: J dequantized rows).
-template <int R, int J>
-inline void Block(const float* __restrict x, int64_t ldx, const float* __restrict w, int64_t K,
-                  float* __restrict y, int64_t ldy) {
-  vf acc[R][J];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < J; ++j) acc[r][j] = vf{};
+// Lanes summed pairwise (a fixed tree: the same order in every call).
+inline float TreeSum(vf x) {
+  float a[kVecFloats];
+  std::memcpy(a, &x, sizeof(a));
+  for (int w = kVecFloats / 2; w > 0; w /= 2)
+    for (int i = 0; i < w; ++i) a[i] += a[i + w];
+  return a[0];
+}
+
+// Small M (dot products over K): y[0, j] = dot(x[0, :], w[j, :]) for j < J, w J dequantized
+// rows [J][K].
+template <int J>
+inline void DotBlock(const float* __restrict x, const float* __restrict w, int64_t K,
+                     float* __restrict y) {
+  vf acc[J];
+  for (int j = 0; j < J; ++j) acc[j] = vf{};
   for (int64_t k = 0; k < K; k += kVecFloats) {
-    vf wv[J];
-    for (int j = 0; j < J; ++j) wv[j] = VLoad(w + j * K + k);
-    for (int r = 0; r < R; ++r) {
-      const vf xv = VLoad(x + r * ldx + k);
-      for (int j = 0; j < J; ++j) acc[r][j] += xv * wv[j];
-    }
+    const vf xv = VLoad(x + k);
+    for (int j = 0; j < J; ++j) acc[j] += xv * VLoad(w + j * K + k);
   }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < J; ++j) y[r * ldy + j] = HSum(acc[r][j]);
+  for (int j = 0; j < J; ++j) y[j] = TreeSum(acc[j]);
 }
 
 template <int J>
-void RowsTimesX(const float* x, int64_t M, int64_t K, const float* w, float* y, int64_t N) {
-  int64_t m = 0;
-  for (; m + MB <= M; m += MB) Block<MB, J>(x + m * K, K, w, K, y + m * N, N);
-  for (; m < M; ++m) Block<1, J>(x + m * K, K, w, K, y + m * N, N);
+void DotRows(const float* x, int64_t M, int64_t K, const float* w, float* y, int64_t N) {
+  for (int64_t m = 0; m < M; ++m) DotBlock<J>(x + m * K, w, K, y + m * N);
 }
+
+// Larger M (outer products): PW = 16 dequantized rows transposed into a panel [K][16]; a
+// micro-kernel keeps an MR x 16 block of y in registers (MR * 16 / kVecFloats = 12 vector
+// accumulators) and adds, for each k, x[m, k] broadcast times the panel's row k.
+constexpr int PW = 16;
+constexpr int NV = PW / kVecFloats;  // vectors per panel row
+constexpr int MR = 12 / NV;          // rows of x per micro-kernel call
+
+template <int R>
+void PanelMicro(const float* __restrict x, int64_t K, const float* __restrict panel,
+                float* __restrict y, int64_t ldy, int cols) {
+  vf acc[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v] = vf{};
+  for (int64_t k = 0; k < K; ++k) {
+    vf wv[NV];
+    for (int v = 0; v < NV; ++v) wv[v] = VLoad(panel + k * PW + v * kVecFloats);
+    for (int r = 0; r < R; ++r) {
+      const vf xs = Splat(x[r * K + k]);
+      for (int v = 0; v < NV; ++v) acc[r][v] += xs * wv[v];
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    if (cols == PW) {
+      for (int v = 0; v < NV; ++v) VStore(y + r * ldy + v * kVecFloats, acc[r][v]);
+    } else {
+      float tmp[PW];
+      for (int v = 0; v < NV; ++v) VStore(tmp + v * kVecFloats, acc[r][v]);
+      std::memcpy(y + r * ldy, tmp, cols * sizeof(float));
+    }
+  }
+}
+
+typedef void (*PanelFn)(const float*, int64_t, const float*, float*, int64_t, int);
+
+template <int... Rs>
+constexpr std::array<PanelFn, sizeof...(Rs) + 1> PanelTable(std::integer_sequence<int, Rs...>) {
+  return {nullptr, PanelMicro<Rs + 1>...};
+}
+constexpr auto kPanel = PanelTable(std::make_integer_sequence<int, MR>{});
 
 struct Problem {
   const float* x;    // [M, K]
@@ -206,17 +309,38 @@ struct Problem {
   DequantFn dequant;
 };
 
+// Rows of x up to which a step uses dot products (above: outer products on a panel).
+constexpr int64_t kDotMaxRows = 8;
+
 void RunItem(const Problem& p, int64_t n0, int64_t n1, std::vector<float>& buf) {
-  buf.resize(NB * p.K);
-  for (int64_t n = n0; n < n1; n += NB) {
-    const int64_t rows = std::min<int64_t>(NB, n1 - n);
-    for (int64_t j = 0; j < rows; ++j) p.dequant(p.w + (n + j) * p.row_bytes, p.K, &buf[j * p.K]);
-    float* y = p.y + n;
-    switch (rows) {
-      case 4: RowsTimesX<4>(p.x, p.M, p.K, buf.data(), y, p.N); break;
-      case 3: RowsTimesX<3>(p.x, p.M, p.K, buf.data(), y, p.N); break;
-      case 2: RowsTimesX<2>(p.x, p.M, p.K, buf.data(), y, p.N); break;
-      default: RowsTimesX<1>(p.x, p.M, p.K, buf.data(), y, p.N); break;
+  if (p.M <= kDotMaxRows) {
+    buf.resize(NB * p.K);
+    for (int64_t n = n0; n < n1; n += NB) {
+      const int64_t rows = std::min<int64_t>(NB, n1 - n);
+      for (int64_t j = 0; j < rows; ++j) p.dequant(p.w + (n + j) * p.row_bytes, p.K, &buf[j * p.K]);
+      float* y = p.y + n;
+      switch (rows) {
+        case 4: DotRows<4>(p.x, p.M, p.K, buf.data(), y, p.N); break;
+        case 3: DotRows<3>(p.x, p.M, p.K, buf.data(), y, p.N); break;
+        case 2: DotRows<2>(p.x, p.M, p.K, buf.data(), y, p.N); break;
+        default: DotRows<1>(p.x, p.M, p.K, buf.data(), y, p.N); break;
+      }
+    }
+    return;
+  }
+  buf.resize(2 * PW * p.K);
+  float* rows_buf = buf.data();          // [PW][K]
+  float* panel = buf.data() + PW * p.K;  // [K][PW]
+  for (int64_t n = n0; n < n1; n += PW) {
+    const int cols = int(std::min<int64_t>(PW, n1 - n));
+    for (int j = 0; j < cols; ++j) p.dequant(p.w + (n + j) * p.row_bytes, p.K, rows_buf + j * p.K);
+    for (int64_t k = 0; k < p.K; ++k) {
+      for (int j = 0; j < cols; ++j) panel[k * PW + j] = rows_buf[j * p.K + k];
+      for (int j = cols; j < PW; ++j) panel[k * PW + j] = 0.0f;
+    }
+    for (int64_t m = 0; m < p.M; m += MR) {
+      const int r = int(std::min<int64_t>(MR, p.M - m));
+      kPanel[r](p.x + m * p.K, p.K, panel, p.y + m * p.N + n, p.N, cols);
     }
   }
 }
@@ -271,8 +395,8 @@ ffi::Error GgufLinear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   std::fill(p.y + p.M * p.N, p.y + total_rows * p.N, 0.0f);  // padding rows
   if (p.M == 0 || p.N == 0) return ffi::Error::Success();
   const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
-  // About eight items per thread (load balance), at least NB rows and at most 64 each.
-  p.item_rows = NB * std::clamp<int64_t>(p.N / (NB * 8 * threads), 1, 16);
+  // About eight items per thread (load balance), 16 to 64 rows each (a multiple of the panel).
+  p.item_rows = PW * std::clamp<int64_t>(p.N / (PW * 8 * threads), 1, 4);
   shared->items = (p.N + p.item_rows - 1) / p.item_rows;
   const int64_t helpers = std::min<int64_t>(pool.num_threads(), shared->items) - 1;
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([shared] { Drain(*shared); });
