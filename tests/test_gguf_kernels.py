@@ -209,44 +209,45 @@ def test_a_stack_of_mixed_formats_is_dequantized(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def tiny_gguf(tmp_path_factory):
-    return _quantized_gguf(tmp_path_factory.mktemp("tiny-gguf"))
+def tiny_gguf(tmp_path_factory, make_llm):
+    """(HF folder, GGUF file, engine options, the float32 engine of the file and its greedy
+    outputs with logprobs for three prompts)."""
+    folder, path = _quantized_gguf(tmp_path_factory.mktemp("tiny-gguf"))
+    common = dict(tokenizer=str(folder), download_dir=str(tmp_path_factory.mktemp("cache")))
+    dense = make_llm(path, **common)  # dtype="float32": dequantized on load
+    assert dense.llm_engine.config.model_config.quantization is None
+    want = dense.generate(PROMPTS, GREEDY, use_tqdm=False)
+    return path, common, dense, want
+
+
+_rng = np.random.default_rng(6)
+PROMPTS = [{"prompt_token_ids": _rng.integers(3, 259, size=n).tolist()} for n in (5, 40)]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
 
 
 @pytest.mark.parametrize("linear_backend", ["cpu", "xla"])
-def test_engine_kept_quantized_matches_the_dequantized_engine(
-    make_llm, tiny_gguf, tmp_path, linear_backend
-):
-    """`LLM(file)` keeps the blocks (native kernel, or XLA's dequantization inside the step);
-    `LLM(file, dtype="float32")` dequantizes on load: same greedy tokens, logprobs within
-    1e-4, and the kept engine's params take the quantized bytes."""
+def test_engine_kept_quantized_matches_the_dequantized_engine(make_llm, tiny_gguf, linear_backend):
+    """`LLM(file)` keeps the blocks (the native kernel, or XLA's dequantization inside the
+    step); `LLM(file, dtype="float32")` dequantizes on load: same greedy tokens, logprobs
+    within 1e-4, and the kept engine's params take the quantized bytes (Q4_1: 20 bytes per 32
+    weights, Q8_0: 34, against 128 in float32)."""
     if linear_backend == "cpu" and not cpu_kernels.available():
         pytest.skip("no native CPU kernels")
-    folder, path = tiny_gguf
-    common = dict(tokenizer=str(folder), download_dir=str(tmp_path), linear_backend=linear_backend)
-    kept = make_llm(path, dtype="auto", **common)
-    dense = make_llm(path, **common)  # dtype="float32"
+    path, common, dense, want = tiny_gguf
+    kept = make_llm(path, dtype="auto", linear_backend=linear_backend, **common)
     assert kept.llm_engine.config.model_config.quantization == "gguf"
-    assert dense.llm_engine.config.model_config.quantization is None
-    rng = np.random.default_rng(6)
-    prompts = [{"prompt_token_ids": rng.integers(3, 259, size=n).tolist()} for n in (5, 40, 100)]
-    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
-    for a, b in zip(
-        kept.generate(prompts, sp, use_tqdm=False),
-        dense.generate(prompts, sp, use_tqdm=False),
-        strict=True,
-    ):
+    for a, b in zip(kept.generate(PROMPTS, GREEDY, use_tqdm=False), want, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        for la, lb, t in zip(
-            a.outputs[0].logprobs, b.outputs[0].logprobs, a.outputs[0].token_ids, strict=True
-        ):
+        out_a, out_b = a.outputs[0], b.outputs[0]
+        pairs = zip(out_a.logprobs, out_b.logprobs, out_a.token_ids, strict=True)
+        for la, lb, t in pairs:
             assert abs(la[t].logprob - lb[t].logprob) < 1e-4
     kept_bytes = sum(kept.llm_engine.layout["param_bytes_per_device"].values())
     dense_bytes = sum(dense.llm_engine.layout["param_bytes_per_device"].values())
-    params = kept.llm_engine.runner.params
-    kinds = jax.tree.leaves(params, is_leaf=lambda w: isinstance(w, gq.GGUFWeight))
-    blocks = sum(w.blocks.nbytes for w in kinds if isinstance(w, gq.GGUFWeight))
-    # Q4_1: 20 bytes per 32 weights (0.625 B), Q8_0: 34 per 32, against 4 B in float32
+    leaves = jax.tree.leaves(
+        kept.llm_engine.runner.params, is_leaf=lambda w: isinstance(w, gq.GGUFWeight)
+    )
+    blocks = sum(w.blocks.nbytes for w in leaves if isinstance(w, gq.GGUFWeight))
     assert blocks > 0.8 * kept_bytes
     assert kept_bytes < 0.35 * dense_bytes
 
