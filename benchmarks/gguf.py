@@ -99,12 +99,12 @@ def run(reps: int, input_len: int, output_len: int, perplexity: bool) -> dict:
         "rows": rows,
     }
     if perplexity:
-        result["perplexity"] = _perplexity({m: llm.llm_engine.runner.params for m, llm in llms.items()}, llms)
+        result["perplexity"] = _perplexity(llms)
     result["env"] = environment()
     return result
 
 
-def _perplexity(params_by_mode: dict, llms: dict) -> dict:
+def _perplexity(llms: dict) -> dict:
     from benchmarks.quality import TEXT
     from pagedjax import scoring
     from pagedjax.ops import cpu_linear
@@ -113,8 +113,8 @@ def _perplexity(params_by_mode: dict, llms: dict) -> dict:
     cfg = first.config.model_config.arch
     ids = first.tokenizer(TEXT.read_text()).input_ids
     out = {}
-    for mode, params in params_by_mode.items():
-        params = cpu_linear.unpack_params(params, cfg.tie_word_embeddings)
+    for mode, llm in llms.items():
+        params = cpu_linear.unpack_params(llm.llm_engine.runner.params, cfg.tie_word_embeddings)
         for chunk in (256, 128):
             lp = scoring.token_logprobs(params, cfg, ids, chunk_size=chunk)
             out[f"{mode}/chunk{chunk}"] = scoring.perplexity(lp)
