@@ -219,11 +219,12 @@ def gated_mlp(
 
 
 def embed(params: Mapping[str, Any], input_ids: jax.Array) -> jax.Array:
-    """The embedding lookup: input_ids [T] int32 -> [T, D] in the params dtype (float32 for
-    a GGUF embedding kept quantized: only the looked-up rows are dequantized)."""
+    """The embedding lookup: input_ids [T] int32 -> [T, D] in the params dtype (a GGUF
+    embedding kept quantized: only the looked-up rows are dequantized, to the dtype of the
+    final norm, the model's)."""
     table = params["embed_tokens"]
     if isinstance(table, GGUFWeight):
-        return embedding_rows(table, input_ids)
+        return embedding_rows(table, input_ids, params["final_norm"].dtype)
     return table[input_ids]
 
 
