@@ -20,7 +20,9 @@ both engines: the kept blocks run the XLA path there (chunks of 256 tokens dequa
 layer inside the step) and, in chunks of 128 tokens, the native kernel.
 
 Weights: bytes of the params pytree as the engines hold them (`quant.weight_bytes`; the float32
-engine's includes its packed copy of the LM head).
+engine's includes its packed copy of the LM head). Resident memory: each engine alone in a
+fresh process (`--rss`), after loading and one request: the process's resident set (VmRSS)
+and its peak (VmHWM), which include JAX, XLA's compiled steps and the 256 MiB KV cache.
 """
 
 from __future__ import annotations
@@ -53,6 +55,53 @@ def _decode_once(llm, rnd: random.Random, input_len: int, output_len: int) -> fl
             if first is None and out.outputs[0].token_ids:
                 first = time.perf_counter()
     return (output_len - 1) / (time.perf_counter() - first)
+
+
+def _rss_child(mode: str, input_len: int, output_len: int) -> None:
+    """In a fresh process: one engine of `mode`, one request; prints its memory as JSON."""
+    from pagedjax import LLM
+    from pagedjax.models.loader import default_model_path
+
+    llm = LLM(
+        str(default_model_path()),
+        max_model_len=input_len + output_len + 16,
+        max_num_batched_tokens=256,
+        kv_cache_memory_bytes=256 << 20,
+        linear_backend="cpu",
+        use_tqdm_on_load=False,
+        disable_log_stats=True,
+        **MODES[mode],
+    )
+    _decode_once(llm, random.Random(0), input_len, output_len)
+    status = Path("/proc/self/status").read_text().splitlines()
+    mem = {
+        k: int(v.split()[0]) * 1024
+        for k, v in (x.split(":") for x in status)
+        if k in ("VmRSS", "VmHWM")
+    }
+    print(
+        "RSS"
+        + json.dumps({"mode": mode, "rss_bytes": mem["VmRSS"], "peak_rss_bytes": mem["VmHWM"]})
+    )
+
+
+def resident_memory(input_len: int, output_len: int) -> list[dict]:
+    """Each mode's memory, one fresh process each (`_rss_child`)."""
+    import subprocess
+    import sys
+
+    rows = []
+    for mode in MODES:
+        args = f"{mode!r}, {input_len}, {output_len}"
+        code = f"from benchmarks.gguf import _rss_child; _rss_child({args})"
+        out = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=True
+        )
+        line = next(x for x in out.stdout.splitlines() if x.startswith("RSS"))
+        rows.append(json.loads(line[3:]))
+        rss, peak = rows[-1]["rss_bytes"] / 2**20, rows[-1]["peak_rss_bytes"] / 2**20
+        print(f"{mode}: RSS {rss:.0f} MiB, peak {peak:.0f} MiB", flush=True)
+    return rows
 
 
 def run(reps: int, input_len: int, output_len: int, perplexity: bool) -> dict:
@@ -128,10 +177,13 @@ def main(argv=None) -> None:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--skip-perplexity", action="store_true")
+    p.add_argument("--rss", action="store_true", help="Also each engine's resident memory.")
     p.add_argument("--out", default=None, help="Write the result as JSON here.")
     ns = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     result = run(ns.reps, ns.input_len, ns.output_len, not ns.skip_perplexity)
+    if ns.rss:
+        result["resident_memory"] = resident_memory(ns.input_len, ns.output_len)
     for r in result["rows"]:
         print(
             f"{r['mode']}: decode {r['decode_tok_s']:.1f} tok/s "
