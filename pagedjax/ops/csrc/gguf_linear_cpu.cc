@@ -3,18 +3,28 @@
 // W is a stacked GGUF weight, uint8 [L][N][row_bytes]: row n holds the K inputs of output n
 // in blocks, as llama.cpp stores a tensor (formats and their layouts: pagedjax/ops/gguf_quant.py,
 // after ggml's ggml-common.h). x is float32 [M, K], y float32 [M, N]; the float32 weights
-// are never materialised: each work item dequantizes NB = 4 rows of W at a time into a small
-// float buffer (4 K floats, in L1/L2) and multiplies them with every row of x before it moves
-// on, so a step reads each weight block once, whatever M. Accumulation is in float32.
+// are never materialised: a work item (a range of output rows) dequantizes a few rows of W
+// at a time into a small float buffer (in L1 / L2) and multiplies them with every row of x
+// before it moves on, so a step reads each weight block once, whatever M. Accumulation is
+// in float32.
 //
-// Dot products: a register block of MB rows of x by NB rows of W (MB = 4 with 32 vector
-// registers, 2 with 16) keeps MB * NB vector accumulators over K and sums each one's lanes in
-// a fixed order at the end (`HSum`), so the result does not depend on the thread count.
-// Vector width comes from simd.h (AVX-512, AVX2 or the portable 4-float path, one build each).
+// Dequantization is vector code per format: the packed bytes widened to int32 lanes
+// (vpmovzxbd / vpmovsxbd on x86: GCC's __builtin_convertvector widens lane by lane), nibbles
+// and high bits masked and shifted in the lanes, converted and scaled (F16C for the f16
+// scales where the path has it).
+//
+// Products, by the number of rows of x:
+//   up to kDotMaxRows (decode): NB = 4 rows of W dequantized, then a dot product over K per
+//     (row of x, row of W), lanes summed pairwise in a fixed order (`TreeSum`);
+//   more: PW = 16 rows of W dequantized and transposed into a panel [K][16], and a
+//     micro-kernel keeps an MR x 16 block of y in 12 vector registers, adding x[m, k]
+//     broadcast times the panel's row k (outer products, no horizontal sums).
+// The result does not depend on the thread count. Vector width comes from simd.h (AVX-512,
+// AVX2 or the portable 4-float path, one build each).
 //
 // Only the first `rows` rows of x are multiplied (a step padded to its shape bucket passes its
-// number of real tokens); the others are written as zeros. Work items (a range of output
-// rows) are spread over XLA's intra-op thread pool. Built by pagedjax/ops/cpu_kernels.py.
+// number of real tokens); the others are written as zeros. Work items are spread over XLA's
+// intra-op thread pool. Built by pagedjax/ops/cpu_kernels.py.
 
 #include <algorithm>
 #include <array>
