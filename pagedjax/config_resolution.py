@@ -24,6 +24,7 @@ from pagedjax.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     _bad,
 )
 from pagedjax.paths import cache_root
@@ -133,6 +134,11 @@ def resolve_engine_config(args) -> EngineConfig:
         download_dir=args.download_dir,
         quantization=quantization,
     )
+    spec = SpeculativeConfig.from_value(args.speculative_config)
+    if spec is not None and args.pipeline_parallel_size > 1:
+        raise ValueError("speculative_config is not supported with pipeline_parallel_size > 1")
+    if spec is not None and spec.method == "draft_model":
+        _check_draft(spec, arch, args.preemption_mode)
     if args.num_processes > 1 and args.preemption_mode == "swap":
         raise ValueError(
             "preemption_mode='swap' is not supported across processes "
@@ -168,6 +174,7 @@ def resolve_engine_config(args) -> EngineConfig:
         ),
         compilation_cache_dir=cache_dir,
         log_stats=not args.disable_log_stats,
+        speculative_config=spec,
     )
 
 
@@ -186,3 +193,25 @@ def _check_native(field: str, on_one_cpu_device: bool) -> None:
         )
     if not cpu_kernels.available():
         raise ValueError(f"{field} 'cpu' is unavailable: {cpu_kernels.unavailable_reason()}")
+
+
+def _check_draft(spec: SpeculativeConfig, arch, preemption_mode: str) -> None:
+    """A draft model must share the target's vocabulary; its KV cache follows the target's
+    blocks, which swapping does not carry.
+
+    Raises:
+        ValueError: naming speculative_config.model (another vocabulary size) or
+            preemption_mode.
+    """
+    from pagedjax.models import loader
+
+    draft = loader.load_arch_config(loader.resolve_model_source(spec.model))
+    if draft.vocab_size != arch.vocab_size:
+        raise ValueError(
+            f"speculative_config.model {spec.model!r} has a vocabulary of {draft.vocab_size} "
+            f"tokens, the target {arch.vocab_size}: the draft must share the target's vocabulary"
+        )
+    if preemption_mode == "swap":
+        raise ValueError(
+            "speculative_config with method 'draft_model' needs preemption_mode='recompute'"
+        )

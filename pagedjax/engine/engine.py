@@ -28,6 +28,7 @@ from pagedjax.engine.metrics import StatLogger
 from pagedjax.engine.output_processor import OutputProcessor
 from pagedjax.engine.request import Request, RequestStatus
 from pagedjax.engine.scheduler import Scheduler
+from pagedjax.engine.spec_decode import Speculator
 from pagedjax.engine_args import EngineArgs
 from pagedjax.executor.model_loading import load_model
 from pagedjax.executor.model_runner import ModelRunner
@@ -114,7 +115,9 @@ class LLMEngine:
         self.kv_cache_manager = KVCacheManager(
             num_blocks, cc.block_size, cc.enable_prefix_caching, num_host_blocks
         )
-        self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager)
+        spec = config.speculative_config
+        self.speculator = None if spec is None else Speculator(spec, mc.max_model_len)
+        self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager, self.speculator)
         self.compile_seconds = self.runner.warmup(use_tqdm=use_tqdm)
         self.eos_token_id = self._eos_token_id()
         self._rng = random.Random(mc.seed)
@@ -259,7 +262,9 @@ class LLMEngine:
         t1 = time.perf_counter()
         result = self.runner.execute(so)
         t2 = time.perf_counter()
-        progressed = self.scheduler.update_from_output(so, result.sampled)
+        progressed = self.scheduler.update_from_output(
+            so, result.sampled, result.spec_tokens, result.draft_token_ids
+        )
         outputs = self.output_processor.build(self.output_processor.update(progressed, result))
         t3 = time.perf_counter()
         self.last_step_timing = StepTiming(

@@ -90,6 +90,8 @@ class ModelRunner:
         self.kv_dtype = kv_cache_jnp_dtype(cc.kv_cache_dtype, mc.dtype)  # float8 for "fp8"
         chunk_pages = max(1, KV_CHUNK_TOKENS // cc.block_size)
         self.num_slots = sc.max_num_seqs + 1  # the last one is the scratch slot of padding
+        spec = config.speculative_config
+        self.num_speculative_tokens = spec.num_speculative_tokens if spec is not None else 0
         self.builder = BatchBuilder(
             max_num_batched_tokens=sc.max_num_batched_tokens,
             max_num_seqs=sc.max_num_seqs,
@@ -98,6 +100,7 @@ class ModelRunner:
             query_tile_size=QUERY_TILE_SIZE,
             kv_chunk_pages=chunk_pages,
             scratch_slot=self.num_slots - 1,
+            num_speculative_tokens=self.num_speculative_tokens,
         )
         pp = config.parallel_config.pipeline_parallel_size
         self.num_microbatches = pp if pp > 1 else 0  # one micro-batch per stage
@@ -380,6 +383,7 @@ class ModelRunner:
         )
         s = out.sampled
         token_ids, logprobs = np.asarray(s.token_ids), np.asarray(s.logprobs)
+        kept = np.asarray(out.kept) if self.num_speculative_tokens else None
         t2 = time.perf_counter()
         want_logprobs = any(x.want_logprobs for x in seqs)
         if want_logprobs:
@@ -393,15 +397,24 @@ class ModelRunner:
                 )
             if not seq.counts:
                 continue
-            r = batch.sample_rows[i]
-            sampled = SampledToken(int(token_ids[r]), float(logprobs[r]))
-            if spec.logprobs is not None and want_logprobs:
-                k = spec.logprobs
-                sampled.rank = int(ranks[r])
-                sampled.top = [
-                    (int(a), float(b)) for a, b in zip(top_ids[r, :k], top_lps[r, :k], strict=True)
-                ]
-            result.sampled[sched.req_id] = sampled
+            r0 = batch.sample_rows[i]
+            run = [r0]
+            if seq.num_draft:  # the kept rows: the first, then while proposals were accepted
+                run += [r for r in range(r0 + 1, r0 + 1 + seq.num_draft) if kept[r]]
+            toks = []
+            for r in run:
+                sampled = SampledToken(int(token_ids[r]), float(logprobs[r]))
+                if spec.logprobs is not None and want_logprobs:
+                    k = spec.logprobs
+                    sampled.rank = int(ranks[r])
+                    sampled.top = [
+                        (int(a), float(b))
+                        for a, b in zip(top_ids[r, :k], top_lps[r, :k], strict=True)
+                    ]
+                toks.append(sampled)
+            result.sampled[sched.req_id] = toks[0]
+            if seq.num_draft:
+                result.spec_tokens[sched.req_id] = toks[1:]
         return result
 
     def _prompt_logprobs(self, out, token_rows, seq: SeqInput, k: int) -> PromptLogprobs:
