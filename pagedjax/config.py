@@ -215,6 +215,7 @@ class SpeculativeConfig:
     num_speculative_tokens: k, tokens proposed per step, 1..MAX_NUM_SPECULATIVE_TOKENS.
     prompt_lookup_max / prompt_lookup_min: n-gram sizes tried, longest first (ngram only).
     model: the draft checkpoint (draft_model only).
+    draft_model_config: the draft's resolved `ModelConfig` (set by the engine, not by users).
     """
 
     method: str
@@ -222,6 +223,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
     model: str | None = None
+    draft_model_config: ModelConfig | None = None
 
     def __post_init__(self):
         if self.method not in SPECULATIVE_METHODS:
@@ -261,7 +263,7 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config is not valid JSON: {e}") from None
         if not isinstance(value, dict):
             raise _bad("speculative_config", "a JSON object", value)
-        names = {f.name for f in dataclasses.fields(cls)}
+        names = {f.name for f in dataclasses.fields(cls)} - {"draft_model_config"}
         unknown = sorted(set(value) - names)
         if unknown:
             raise ValueError(f"unknown speculative_config key(s): {', '.join(unknown)}")

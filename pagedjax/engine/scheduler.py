@@ -252,8 +252,9 @@ class Scheduler:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, step.budget)
             drafts = self.spec.propose(req, n, step.budget) if self.spec is not None else ()
-            new_blocks = self.kv.allocate_slots(req, n + len(drafts))
-            if new_blocks is None and drafts:  # no block for the lookahead: no proposals
+            ahead = len(drafts) + self._lookahead(req, n)
+            new_blocks = self.kv.allocate_slots(req, n + ahead)
+            if new_blocks is None and ahead:  # no block for the lookahead: no proposals
                 drafts = ()
                 new_blocks = self.kv.allocate_slots(req, n)
             while new_blocks is None and req in self.running:
@@ -299,13 +300,21 @@ class Scheduler:
             if n > step.budget and not cfg.enable_chunked_prefill:
                 break
             n = min(n, step.budget)
-            if self.kv.allocate_slots(req, n, hits) is None:
+            ahead = self._lookahead(req, n + num_hit_tokens)
+            if self.kv.allocate_slots(req, n + ahead, hits) is None:
                 break
             self.waiting.pop()
             req.num_computed_tokens += num_hit_tokens
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit_tokens
             self._start(req, n, step)
+
+    def _lookahead(self, req: Request, n: int) -> int:
+        """Slots past this step's tokens that the draft model writes after it (the request
+        samples this step), so that its proposals never land in the null block."""
+        if self.spec is None or req.num_computed_tokens + n != req.num_tokens:
+            return 0
+        return self.spec.num_lookahead_tokens
 
     def _start(self, req: Request, n: int, step: _StepPlan) -> None:
         """Moves a request into the running batch; the runner gets its whole table."""

@@ -97,6 +97,7 @@ class PackedLayout:
         spec = [
             ("draft_token", (R,)),  # the proposal row r verifies; -1 on a run's last row
             ("row_start", (R,)),  # the first row of the row's sequence
+            ("first_row", (S,)),  # each sequence's first row
             ("prior_drafts", (R, K)),  # proposals before the row's (penalty counts), -1 pad
             ("num_rows", ()),
         ]
@@ -419,6 +420,7 @@ class BatchBuilder:
         prior.fill(-1)
         v["row_start"][:] = np.arange(layout.num_rows)
         v["row_start"][:R] = first[seq_of]
+        v["first_row"][:n_seqs] = first
         v["num_rows"][...] = R
         for i, s in enumerate(seqs):
             k = s.num_draft

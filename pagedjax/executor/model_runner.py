@@ -32,6 +32,7 @@ from pagedjax.engine.interface import (
     SchedulerOutput,
 )
 from pagedjax.executor import step as step_fn
+from pagedjax.executor.draft_model import DraftRunner
 from pagedjax.executor.input_batch import BatchBuilder, SeqInput
 from pagedjax.executor.request_state import RequestState, bias_row
 from pagedjax.ops.kv_cache import (
@@ -136,12 +137,17 @@ class ModelRunner:
         self.num_host_blocks = 0
         self.requests: dict[str, RequestState] = {}
         self._free_slots = list(range(self.num_slots - 2, -1, -1))
+        self.draft: DraftRunner | None = None  # speculative decoding's draft model
+        if spec is not None and spec.method == "draft_model":
+            self.draft = DraftRunner(config, plan.mesh, cc.block_size, self.kv_dtype, self._static)
 
     # ----------------------------------------------------------------- memory
 
     def bytes_per_block(self) -> int:
+        """Bytes of one block in K and V over all layers (and in the draft model's cache)."""
         a = self.arch
-        return kv_cache_bytes_per_block(
+        draft = self.draft.bytes_per_block() if self.draft is not None else 0
+        return draft + kv_cache_bytes_per_block(
             a.num_hidden_layers, self.block_size, a.num_key_value_heads, a.head_dim, self.kv_dtype
         )
 
@@ -215,6 +221,8 @@ class ModelRunner:
             a.num_hidden_layers, num_blocks, self.block_size, a.num_key_value_heads, a.head_dim
         )
         self.kv_cache = init_kv_cache(shape, self.kv_dtype, self.plan.kv_cache())
+        if self.draft is not None:
+            self.draft.allocate(num_blocks)
         self.num_host_blocks = num_host_blocks
         if num_host_blocks:
             host_shape = (2, a.num_hidden_layers, num_host_blocks + 1, *shape[2:])
@@ -262,6 +270,9 @@ class ModelRunner:
         ids = spec((BLOCK_OP_BATCH,))
         copy = jax.jit(step_fn.copy_blocks, donate_argnums=0)
         self._ops["copy"] = copy.lower(kv_spec, ids, ids).compile()
+        if self.draft is not None:
+            layouts = {self._layout_key(T): self.builder.layout(T) for T in buckets}
+            self.draft.warmup(layouts, step_fn.copy_blocks, ids)
         if self.num_host_blocks:
             gather = jax.jit(step_fn.gather_blocks).lower(kv_spec, ids)
             data = spec(gather.out_info.shape, gather.out_info.dtype)
@@ -307,6 +318,8 @@ class ModelRunner:
             src[: len(pairs)] = [a for a, _ in pairs]
             dst[: len(pairs)] = [b for _, b in pairs]
             self.kv_cache = self._ops["copy"](self.kv_cache, src, dst)
+            if self.draft is not None:
+                self.draft.copy_blocks(src, dst)
 
     def _drop(self, req_id: str) -> None:
         st = self.requests.pop(req_id, None)
@@ -382,6 +395,9 @@ class ModelRunner:
             self.params, self.kv_cache, self.sampling_state, batch.buffer
         )
         s = out.sampled
+        drafts = None
+        if self.draft is not None:
+            drafts = self.draft.run(batch.layout.num_tokens, batch.buffer, s.token_ids, out.kept)
         token_ids, logprobs = np.asarray(s.token_ids), np.asarray(s.logprobs)
         kept = np.asarray(out.kept) if self.num_speculative_tokens else None
         t2 = time.perf_counter()
@@ -415,6 +431,11 @@ class ModelRunner:
             result.sampled[sched.req_id] = toks[0]
             if seq.num_draft:
                 result.spec_tokens[sched.req_id] = toks[1:]
+        if drafts is not None:
+            drafts = np.asarray(drafts)
+            for i, sched in enumerate(so.scheduled):
+                if sched.req_id in result.sampled:
+                    result.draft_token_ids[sched.req_id] = tuple(drafts[i].tolist())
         return result
 
     def _prompt_logprobs(self, out, token_rows, seq: SeqInput, k: int) -> PromptLogprobs:

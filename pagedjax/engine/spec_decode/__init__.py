@@ -60,8 +60,10 @@ class Speculator:
         self.stats = SpecDecodeStats(num_accepted_tokens_per_pos=[0] * self.k)
 
     @property
-    def uses_draft_model(self) -> bool:
-        return self.config.method == "draft_model"
+    def num_lookahead_tokens(self) -> int:
+        """KV slots to hold past a sampling step's tokens: the draft model writes its k
+        proposals' K/V there after the step (n-gram lookup writes nothing)."""
+        return self.k if self.config.method == "draft_model" else 0
 
     def propose(self, req, num_new_tokens: int, budget: int) -> tuple[int, ...]:
         """The tokens to verify after `req`'s last one this step ((): none).
