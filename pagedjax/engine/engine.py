@@ -277,7 +277,9 @@ class LLMEngine:
             update_s=(t2 - t1 - result.prepare_s - result.device_s) + (t3 - t2),
             total_s=t3 - t0,
         )
+        spec = self.speculator.stats if self.speculator is not None else None
+        drawn = len(result.sampled) + sum(len(t) for t in result.spec_tokens.values())
         self.stat_logger.on_step(
-            so.total_num_scheduled_tokens, len(result.sampled), t3 - t0, self.scheduler.stats()
+            so.total_num_scheduled_tokens, drawn, t3 - t0, self.scheduler.stats(), spec
         )
         return outputs

@@ -39,6 +39,24 @@ class SpecDecodeStats:
         return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
 
+def sum_spec_stats(stats: list[SpecDecodeStats]) -> SpecDecodeStats:
+    """The counters of several replicas, added."""
+    width = max(len(s.num_accepted_tokens_per_pos) for s in stats)
+    return SpecDecodeStats(
+        sum(s.num_drafts for s in stats),
+        sum(s.num_draft_tokens for s in stats),
+        sum(s.num_accepted_tokens for s in stats),
+        [
+            sum(
+                s.num_accepted_tokens_per_pos[j]
+                for s in stats
+                if j < len(s.num_accepted_tokens_per_pos)
+            )
+            for j in range(width)
+        ],
+    )
+
+
 class Speculator:
     """Proposals for the scheduler, and the acceptance counters.
 
