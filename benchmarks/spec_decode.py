@@ -40,8 +40,9 @@ def copy_prompts(tokenizer, n: int) -> list[list[int]]:
     for i in range(n):
         para = " ".join(words[400 + 150 * i : 400 + 150 * i + 100])
         msg = [{"role": "user", "content": f"Repeat this paragraph exactly:\n\n{para}"}]
-        out.append(tokenizer.apply_chat_template(msg, add_generation_prompt=True, tokenize=True))
-    return [list(p["input_ids"]) if isinstance(p, dict) else list(p) for p in out]
+        text = tokenizer.apply_chat_template(msg, add_generation_prompt=True, tokenize=False)
+        out.append(list(tokenizer.encode(text, add_special_tokens=False)))
+    return out
 
 
 def decode_one(llm, prompt: list[int], output_len: int) -> tuple[list[int], float]:

@@ -139,6 +139,24 @@ def test_scheduler_stops_inside_a_kept_run_and_drops_the_rest():
     assert pool.num_free_blocks == pool.num_usable_blocks
 
 
+def test_requests_speculation_cannot_serve_run_without_proposals_in_the_same_batch():
+    from pagedjax.sampling_params import StructuredOutputsParams
+
+    sched = _spec_sched(k=3, budget=32)
+    so_params = {"structured_outputs": StructuredOutputsParams(choice=["yes", "no"])}
+    reqs = _decoding(sched, {"plain": {}, "structured": so_params, "last": {"max_tokens": 2}})
+    for r in reqs:
+        sched.spec.set_drafts(r.request_id, (60, 61, 62))
+    so = sched.schedule()
+    # All three decode in this step; only the plain one verifies proposals (the last has one
+    # token left: nothing to propose).
+    assert {s.req_id: s.num_draft_tokens for s in so.scheduled} == {
+        "plain": 3,
+        "structured": 0,
+        "last": 0,
+    }
+
+
 # ----------------------------------------------------------------- configuration
 
 
@@ -454,7 +472,13 @@ def test_real_model_greedy_exact_and_its_own_draft_accepts_everything(compile_ca
         sp = llm.llm_engine.speculator.stats
         assert llm.llm_engine.scheduler.stats().num_preemptions > 0
         assert sp.num_accepted_tokens > 0
-        if spec["method"] == "draft_model":  # itself as the draft: every proposal accepted
-            assert sp.num_accepted_tokens == sp.num_draft_tokens
-            assert sp.num_accepted_tokens_per_pos[0] == sp.num_drafts
         del llm
+    # Itself as the draft, without memory pressure (where a request's lookahead slots could
+    # not be allocated, the draft writes into the null block): every proposal accepted.
+    spec = {"method": "draft_model", "model": default_model_path(), "num_speculative_tokens": 3}
+    llm = LLM(speculative_config=spec, **(kw | {"num_gpu_blocks_override": 200}))
+    outs = llm.generate(REAL_PROMPTS, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    sp = llm.llm_engine.speculator.stats
+    assert sp.num_drafts > 0 and sp.num_accepted_tokens == sp.num_draft_tokens
+    assert sp.num_accepted_tokens_per_pos[0] == sp.num_drafts

@@ -6,9 +6,10 @@ from `ngram.NgramProposer` (method "ngram"), or those the draft model proposed a
 the previous step (method "draft_model", handed in through `set_drafts`). The count is capped
 so that the run of kept tokens (at most k + 1) stays within max_tokens and max_model_len, and
 within the step's token budget. Requests speculation cannot serve are scheduled without
-proposals, in the same batch: beam-search steps (max_tokens 1 each) and requests whose remaining
-budget is one token get none by the caps above; n > 1 forks and prompt steps get none because
-only decode steps speculate.
+proposals, in the same batch: structured outputs (`serves`); beam-search steps (max_tokens 1
+each) and requests whose remaining budget is one token get none by the caps above; prompt
+steps (and with them prompt logprobs and the forking of n > 1 samples) get none because only
+decode steps speculate.
 
 Counters (vLLM's names, exported by `engine.prometheus`): num_drafts (verification runs),
 num_draft_tokens (tokens proposed), num_accepted_tokens (proposals kept), and
@@ -91,9 +92,9 @@ class Speculator:
             num_new_tokens: its tokens to compute this step without proposals.
             budget: the step's token budget left (its num_new_tokens included).
         """
-        if num_new_tokens != 1 or req.num_output_tokens == 0:
-            return ()
         p = req.sampling_params
+        if num_new_tokens != 1 or req.num_output_tokens == 0 or not self.serves(p):
+            return ()
         k = min(
             self.k,
             budget - 1,
@@ -106,6 +107,13 @@ class Speculator:
             return self.ngram.propose(req.request_id, req.all_token_ids, k)
         drafts = self._drafts.get(req.request_id, ())
         return drafts[:k]
+
+    @staticmethod
+    def serves(params) -> bool:
+        """Whether requests with these SamplingParams may get proposals: not those with
+        structured outputs (their grammar masks would have to advance over the proposals;
+        they decode one token per step, in the same batch)."""
+        return getattr(params, "structured_outputs", None) is None
 
     def set_drafts(self, req_id: str, drafts: tuple[int, ...]) -> None:
         """The draft model's proposals for `req_id`'s next step."""
