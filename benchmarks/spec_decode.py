@@ -6,8 +6,8 @@ host cost of n-gram proposals (also `pagedjax bench spec_decode`).
 
 Two workloads of single requests on the default model (SmolLM2-135M-Instruct), greedy, EOS
 ignored, `--output-len` tokens each:
-    copy: chat prompts that ask to repeat a paragraph of the GPL-3 text (the prompt holds what
-        the answer copies: the case n-gram lookup is made for);
+    copy: few-shot prompts "Text: A / Copy: A / Text: B / Copy:" over paragraphs of the GPL-3
+        text (the answer copies what the prompt holds: the case n-gram lookup is made for);
     standard: the first `--num-prompts` prompts of workloads/standard.json.
 Each request runs alone, on two engines in one process (speculation off, and
 `--speculative-config`), alternating request by request, `--reps` times; decode tok/s =
@@ -34,13 +34,16 @@ DEFAULT_SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_
 
 
 def copy_prompts(tokenizer, n: int) -> list[list[int]]:
-    """Chat prompts asking to repeat a paragraph (~100 words) of the GPL-3 text."""
+    """Few-shot copying prompts over the GPL-3 text: a paragraph and its copy, then another
+    paragraph to copy (~60 words each); the answer repeats what the prompt holds."""
     words = Path("/usr/share/common-licenses/GPL-3").read_text().split()
+
+    def para(i: int) -> str:
+        return " ".join(words[400 + 80 * i : 400 + 80 * i + 60])
+
     out = []
     for i in range(n):
-        para = " ".join(words[400 + 150 * i : 400 + 150 * i + 100])
-        msg = [{"role": "user", "content": f"Repeat this paragraph exactly:\n\n{para}"}]
-        text = tokenizer.apply_chat_template(msg, add_generation_prompt=True, tokenize=False)
+        text = f"Text: {para(2 * i)}\nCopy: {para(2 * i)}\n\nText: {para(2 * i + 1)}\nCopy:"
         out.append(list(tokenizer.encode(text, add_special_tokens=False)))
     return out
 
