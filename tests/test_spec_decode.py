@@ -482,3 +482,35 @@ def test_real_model_greedy_exact_and_its_own_draft_accepts_everything(compile_ca
     sp = llm.llm_engine.speculator.stats
     assert sp.num_drafts > 0 and sp.num_accepted_tokens == sp.num_draft_tokens
     assert sp.num_accepted_tokens_per_pos[0] == sp.num_drafts
+
+
+def test_prometheus_counters_have_vllm_names_and_advance_by_deltas():
+    from pagedjax.engine.prometheus import PrometheusStatLogger
+    from pagedjax.engine.spec_decode import SpecDecodeStats
+
+    m = PrometheusStatLogger("tiny")
+    m.record_spec_decode(SpecDecodeStats(2, 6, 3, [2, 1, 0]))
+    m.record_spec_decode(SpecDecodeStats(5, 15, 9, [5, 3, 1]))
+    text = m.render().decode()
+
+    def value(name, extra=""):
+        line = next(x for x in text.splitlines() if x.startswith(name + "{") and extra in x)
+        return float(line.rsplit(" ", 1)[1])
+
+    assert value("vllm:spec_decode_num_drafts_total") == 5
+    assert value("vllm:spec_decode_num_draft_tokens_total") == 15
+    assert value("vllm:spec_decode_num_accepted_tokens_total") == 9
+    per_pos = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+    assert [value(per_pos, f'position="{j}"') for j in range(3)] == [5, 3, 1]
+
+
+def test_engine_log_line_shows_the_mean_acceptance_length(caplog):
+    from pagedjax.engine.metrics import StatLogger
+    from pagedjax.engine.scheduler import SchedulerStats
+    from pagedjax.engine.spec_decode import SpecDecodeStats
+
+    log = StatLogger(enabled=True, interval=0.0)
+    with caplog.at_level("INFO", logger="pagedjax.stats"):
+        log.on_step(10, 7, 0.1, SchedulerStats(), SpecDecodeStats(4, 12, 6, [4, 2, 0]))
+    assert "Mean acceptance length: 2.50" in caplog.text
+    assert "Per-position acceptance rate: 1.000, 0.500, 0.000" in caplog.text
