@@ -514,3 +514,39 @@ def test_engine_log_line_shows_the_mean_acceptance_length(caplog):
         log.on_step(10, 7, 0.1, SchedulerStats(), SpecDecodeStats(4, 12, 6, [4, 2, 0]))
     assert "Mean acceptance length: 2.50" in caplog.text
     assert "Per-position acceptance rate: 1.000, 0.500, 0.000" in caplog.text
+
+
+def test_packed_rows_of_a_step_with_proposals():
+    from pagedjax.executor.input_batch import BatchBuilder, SeqInput
+
+    b = BatchBuilder(
+        max_num_batched_tokens=16,
+        max_num_seqs=4,
+        max_model_len=64,
+        block_size=4,
+        num_speculative_tokens=2,
+    )
+    prefill = SeqInput(np.asarray([5, 6, 7], np.int32), 0, np.asarray([1], np.int32))
+    # Known token 9 at position 4, then proposals 11 and 12.
+    spec = SeqInput(
+        np.asarray([9, 11, 12], np.int32),
+        4,
+        np.asarray([2, 3], np.int32),
+        token_index=3,
+        num_draft=2,
+        row_banned=((2,), (2, 40), ()),
+    )
+    layout, buf = b.build([prefill, spec])
+    v = layout.views(buf)
+    assert layout.num_rows == min(16, 4 * 3)
+    R = 4  # 1 row for the prefill, 3 for the proposals' sequence
+    assert v["num_rows"] == R
+    assert v["logits_indices"][:R].tolist() == [2, 3, 4, 5]
+    assert v["token_index"][:R].tolist() == [0, 3, 4, 5]
+    assert v["draft_token"][:R].tolist() == [-1, 11, 12, -1]
+    assert v["row_start"][:R].tolist() == [0, 1, 1, 1]
+    assert v["first_row"][:2].tolist() == [0, 1]
+    assert v["prior_drafts"][:R].tolist() == [[-1, -1], [-1, -1], [11, -1], [11, 12]]
+    assert v["banned"][:R, :2].tolist() == [[-1, -1], [2, -1], [2, 40], [-1, -1]]
+    assert v["slot"][R:].tolist() == [b.scratch_slot] * (layout.num_rows - R)
+    assert not v["counts"][R:].any()
