@@ -71,7 +71,7 @@ def _spec_sched(k=3, budget=8, blocks=64, method="draft_model"):
     cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=budget, max_model_len=256)
     spec = SpeculativeConfig(method=method, num_speculative_tokens=k, model="draft")
     kv = KVCacheManager(blocks, 4, True)
-    return Scheduler(cfg, kv, Speculator(spec, 256))
+    return Scheduler(cfg, kv, speculator=Speculator(spec, 256))
 
 
 def _decoding(sched, params: dict[str, dict], prompt_len=2) -> list[Request]:

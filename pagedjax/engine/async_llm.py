@@ -414,6 +414,9 @@ class AsyncLLM:
         specs = [r.speculator.stats for r in self._replicas if getattr(r, "speculator", None)]
         if specs:
             self.metrics.record_spec_decode(sum_spec_stats(specs))
+        for r in self._replicas:
+            if getattr(r, "structured_output", None) is not None:
+                self.metrics.record_grammar_timings(*r.structured_output.take_timings())
 
 
 def _at_position(e: ValueError, i: int) -> ValueError:

@@ -27,9 +27,15 @@ follows a stop is dropped), and its computed count advances by the accepted prop
 K/V of rejected proposals sit past the computed count: later steps overwrite them before any
 attention reads that far.
 
+A structured-output request waits (WAITING_FOR_FSM) until its grammar has compiled on the
+worker pool (`structured_output`), then queues like any other; each step the scheduler fills
+the token bitmask of the constrained rows that sample (`SchedulerOutput.grammar_bitmask`)
+and advances their matchers with the sampled tokens.
+
 The scheduler owns request state: `update_from_output` appends each sampled token, advances
 `num_computed_tokens` and decides, in one place, whether the request ends (EOS, stop token
-ids, max_tokens / max_model_len, stop strings; an abort comes through `finish_requests`).
+ids, a completed grammar, max_tokens / max_model_len, stop strings; an abort comes through
+`finish_requests`).
 Plain Python (no jax): `schedule()` returns a `SchedulerOutput` of ids and counts
 (`engine.interface`), with no `Request` in it.
 """
@@ -37,8 +43,6 @@ Plain Python (no jax): `schedule()` returns a `SchedulerOutput` of ids and count
 from __future__ import annotations
 
 import dataclasses
-import heapq
-import itertools
 import logging
 from collections import deque
 from collections.abc import Iterable
@@ -55,6 +59,8 @@ from pagedjax.engine.interface import (
 from pagedjax.engine.kv_cache_manager import KVCacheManager
 from pagedjax.engine.request import Request, RequestStatus
 from pagedjax.engine.spec_decode import Speculator
+from pagedjax.engine.waiting_queue import WaitingQueue
+from pagedjax.structured_output.scheduling import GrammarWaitQueue, step_bitmask
 
 logger = logging.getLogger(__name__)
 
@@ -76,62 +82,26 @@ class SchedulerStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     prompt_tokens_computed: int = 0
-
-
-class _WaitingQueue:
-    """FCFS: a deque. Priority: a heap on (priority, arrival time, arrival order)."""
-
-    def __init__(self, policy: str):
-        self.policy = policy
-        self._fcfs: deque[Request] = deque()
-        self._heap: list[tuple[int, float, int, Request]] = []
-        self._order = itertools.count()
-
-    def __len__(self) -> int:
-        return len(self._fcfs) if self.policy == "fcfs" else len(self._heap)
-
-    def add(self, req: Request) -> None:
-        if self.policy == "fcfs":
-            self._fcfs.append(req)
-        else:
-            heapq.heappush(self._heap, (req.priority, req.arrival_time, next(self._order), req))
-
-    def add_front(self, req: Request) -> None:
-        """A preempted or forked request: first in line under fcfs; by its key under priority."""
-        if self.policy == "fcfs":
-            self._fcfs.appendleft(req)
-        else:
-            self.add(req)
-
-    def peek(self) -> Request:
-        return self._fcfs[0] if self.policy == "fcfs" else self._heap[0][3]
-
-    def pop(self) -> Request:
-        return self._fcfs.popleft() if self.policy == "fcfs" else heapq.heappop(self._heap)[3]
-
-    def remove(self, reqs: Iterable[Request]) -> None:
-        ids = {id(r) for r in reqs}
-        if self.policy == "fcfs":
-            self._fcfs = deque(r for r in self._fcfs if id(r) not in ids)
-        else:
-            self._heap = [e for e in self._heap if id(e[3]) not in ids]
-            heapq.heapify(self._heap)
+    num_waiting_for_grammar: int = 0
 
 
 class Scheduler:
-    """The waiting queue, the running list, the swapped queue and their `KVCacheManager`."""
+    """The waiting queue, the running list, the swapped queue and their `KVCacheManager`;
+    `structured_output` (a `StructuredOutputManager`) fills the bitmasks of constrained
+    requests."""
 
     def __init__(
         self,
         config: SchedulerConfig,
         kv_cache_manager: KVCacheManager,
+        structured_output=None,
         speculator: Speculator | None = None,
     ):
         self.config = config
         self.spec = speculator
         self.kv = kv_cache_manager
         self.requests: dict[str, Request] = {}  # every request not yet reported finished
-        self.waiting = _WaitingQueue(config.scheduling_policy)
+        self.waiting = WaitingQueue(config.scheduling_policy)
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
         self.forks = ForkGroups()
@@ -139,6 +109,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_swap_outs = 0  # preemptions that went to the host pool
         self.prompt_tokens_computed = 0
+        self.structured_output = structured_output
+        self.waiting_for_grammar = GrammarWaitQueue()
 
     # ----------------------------------------------------------------- requests in / out
 
@@ -161,6 +133,9 @@ class Scheduler:
         self.requests[request.request_id] = request
         if fork_of is not None and fork_of.request_id in self.requests:
             self.forks.hold(request, fork_of)
+        elif request.structured_output is not None and not request.structured_output.is_ready():
+            request.status = RequestStatus.WAITING_FOR_FSM
+            self.waiting_for_grammar.add(request)
         else:
             self.waiting.add(request)
 
@@ -176,6 +151,7 @@ class Scheduler:
         self.running = [r for r in self.running if id(r) not in gone]
         self.swapped = deque(r for r in self.swapped if id(r) not in gone)
         self.waiting.remove(reqs)
+        self.waiting_for_grammar.remove(reqs)
         self.forks.discard(reqs)
         for r in reqs:
             self._finish(r, status)
@@ -212,6 +188,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Chooses this step's requests and token counts; allocates their blocks."""
         step = _StepPlan(self.config.max_num_batched_tokens)
+        if len(self.waiting_for_grammar):
+            self._admit_compiled(step)
         if self.config.scheduling_policy == "priority":
             # Highest priority first; the victim of a preemption is then always the last one,
             # which has not been scheduled yet in this step (or is the request being served).
@@ -242,8 +220,26 @@ class Scheduler:
             blocks_to_copy=self.kv.take_pending_copies(),
             stopped_req_ids=step.stopped,
         )
+        if self.structured_output is not None:
+            reqs = [self.requests[s.req_id] for s in out.scheduled]
+            out.grammar_bitmask = step_bitmask(self.structured_output, reqs, out.scheduled)
         self.finished_req_ids = set()
         return out
+
+    def _admit_compiled(self, step: _StepPlan) -> None:
+        """Requests whose grammar compiled join the waiting queue; those whose grammar failed
+        end (with the n - 1 samples held for them) with finish_reason "error"."""
+        idle = not self.running and not len(self.waiting) and not self.swapped
+        ready, failed = self.waiting_for_grammar.take_done(self.structured_output, idle)
+        for req in ready:
+            req.status = RequestStatus.WAITING
+            self.waiting.add(req)
+        for req, error in failed:
+            logger.warning("request %s: %s", req.request_id, error)
+            for r in (req, *self.forks.take_siblings(req)):
+                r.stop_reason = error
+                self._finish(r, RequestStatus.FINISHED_ERROR)
+                step.stopped.append(r.request_id)
 
     def _schedule_running(self, step: _StepPlan) -> None:
         """Running requests first, in order; preempts from the back when blocks run out."""
@@ -422,6 +418,8 @@ class Scheduler:
                 if j:  # an accepted proposal's K/V is cached: it was computed this step
                     req.num_computed_tokens += 1
                 req.append_output_token(t.token_id, t.logprob)
+                if req.structured_output is not None:
+                    req.structured_output.accept(t.token_id)
                 if self.forks.has_siblings(req):
                     for child in self.forks.fork(req, self.kv):
                         self.waiting.add_front(child)
@@ -449,6 +447,12 @@ class Scheduler:
             if p.stop_token_ids and token in p.stop_token_ids:
                 req.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
+        so = req.structured_output
+        if so is not None and so.error is not None:
+            req.stop_reason = so.error
+            return RequestStatus.FINISHED_ERROR
+        if so is not None and so.is_terminated():
+            return RequestStatus.FINISHED_STOPPED  # the grammar is complete
         if req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH_CAPPED
         if stop_string is not None:
@@ -468,6 +472,7 @@ class Scheduler:
             prefix_cache_queries=s.queries,
             prefix_cache_hits=s.hits,
             prompt_tokens_computed=self.prompt_tokens_computed,
+            num_waiting_for_grammar=len(self.waiting_for_grammar),
         )
 
 

@@ -118,6 +118,7 @@ class PackedLayout:
             ("num_tiles", ()),
             ("want_logprobs", ()),
             ("want_prompt", ()),
+            ("use_bitmask", ()),  # set by the runner when a row is constrained
             *((name, (R,)) for name in SAMPLING_ROW_FIELDS),
             ("banned", (R, MAX_BANNED)),
             *(spec if K else ()),
