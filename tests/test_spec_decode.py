@@ -305,8 +305,12 @@ def self_draft_llm(make_llm, tiny_llama_dir):
 
 def test_the_model_as_its_own_draft_accepts_every_proposal(self_draft_llm, prompts8):
     k, llm = SELF_K, self_draft_llm
+    from pagedjax.executor.model_runner import compile_count
+
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    compiles = compile_count()
     llm.generate([{"prompt_token_ids": p} for p in prompts8], params, use_tqdm=False)
+    assert compile_count() == compiles  # the verification and proposal steps: at warm-up
     sp = llm.llm_engine.speculator.stats
     assert sp.num_drafts > 0
     assert sp.num_accepted_tokens == sp.num_draft_tokens
