@@ -148,13 +148,14 @@ class LLMEngine:
         mc = self.config.model_config
         logger.info(
             "layout: mesh %s, stage layers %s; per device: params %s MiB, KV cache %s MiB; "
-            "attention %s, linear %s",
+            "attention %s, linear %s; cpu kernels %s",
             self.layout["mesh"],
             self.layout.get("stage_layers"),
             {d: round(b / 2**20, 1) for d, b in self.layout["param_bytes_per_device"].items()},
             {d: round(b / 2**20, 1) for d, b in self.layout["kv_cache_bytes_per_device"].items()},
             mc.attention_backend,
             mc.linear_backend,
+            mc.cpu_kernel_isa,
         )
 
     @classmethod
