@@ -251,6 +251,7 @@ def _draft_config(
         source_kind=source.kind,
         source_path=source.path,
         arch=draft,
-        quantization="gguf" if source.kind == "gguf" else None,
+        # A GGUF draft keeps its blocks when the target does (else dequantized on load).
+        quantization="gguf" if source.kind == "gguf" and target.quantization == "gguf" else None,
     )
     return dataclasses.replace(spec, draft_model_config=draft_mc)

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from pagedjax.config import EngineConfig
 from pagedjax.executor.input_batch import PackedLayout
 from pagedjax.models import loader, registry
-from pagedjax.ops import cpu_linear
+from pagedjax.ops import cpu_gguf, cpu_linear
 from pagedjax.ops.attention import AttentionMetadata
 from pagedjax.ops.kv_cache import init_kv_cache, kv_cache_bytes_per_block, kv_cache_shape
 from pagedjax.sharding.rules import ShardingPlan
@@ -41,7 +41,7 @@ def load_draft(config: EngineConfig, mesh) -> tuple[dict[str, Any], ShardingPlan
     """The draft's params on `mesh` (the target replica's), and its sharding plan."""
     mc = config.speculative_config.draft_model_config
     source = loader.ModelSource(mc.source_kind, mc.source_path)
-    if source.kind == "gguf":
+    if source.kind == "gguf" and mc.quantization != "gguf":  # dequantized: the conversion
         source = loader.converted_gguf_source(source, mc.download_dir)
     model = registry.get_model(mc.arch.architecture)
     plan = ShardingPlan(mesh, model.logical_unit_counts(mc.arch))
@@ -52,8 +52,8 @@ def load_draft(config: EngineConfig, mesh) -> tuple[dict[str, Any], ShardingPlan
         sharding_for=plan.sharding_for(model.param_logical_axes(mc.arch)),
         quantization=mc.quantization,
     )
-    if mc.linear_backend == "cpu":
-        params = cpu_linear.pack_params(params)
+    if mc.linear_backend == "cpu":  # as the target's (`executor.model_loading.load_model`)
+        params = cpu_gguf.use_native(cpu_linear.pack_params(params))
     return params, plan
 
 
