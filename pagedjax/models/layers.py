@@ -164,7 +164,15 @@ def attention(
     k_scale = w.get("k_scale", one) if fp8_cache else None
     v_scale = w.get("v_scale", one) if fp8_cache else None
     k_cache, v_cache = write_kv(
-        k_cache, v_cache, layer_idx, k, v, md.slot_mapping, k_scale, v_scale
+        k_cache,
+        v_cache,
+        layer_idx,
+        k,
+        v,
+        md.slot_mapping,
+        k_scale,
+        v_scale,
+        native=attention_backend == "cpu",
     )
     attn = ragged_paged_attention(
         q,
