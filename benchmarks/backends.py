@@ -29,6 +29,8 @@ import time
 from benchmarks.common import environment, load_any_workload
 from benchmarks.matmul_peak import workload_flops
 
+FIRST_TOKENS = 32  # greedy tokens kept per request, to compare outputs across runs
+
 
 def _peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -45,6 +47,9 @@ def run_pagedjax(reqs: list[dict], ns) -> dict:
         enable_prefix_caching=ns.enable_prefix_caching,
         disable_log_stats=True,
         use_tqdm_on_load=False,
+        # only when set, so that this script also drives older checkouts (A/B runs)
+        **({"kv_cache_dtype": ns.kv_cache_dtype} if ns.kv_cache_dtype != "auto" else {}),
+        **({"cpu_kernel_isa": ns.cpu_kernel_isa} if ns.cpu_kernel_isa != "auto" else {}),
     )
     startup = time.perf_counter() - t0
     eng = llm.llm_engine
@@ -56,7 +61,7 @@ def run_pagedjax(reqs: list[dict], ns) -> dict:
             {"prompt_token_ids": r["prompt_token_ids"]},
             SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=r["output_len"]),
         )
-    lens = {}
+    lens, first = {}, {}
     phases = ("schedule_s", "prepare_s", "device_s", "update_s", "total_s")
     split = dict.fromkeys(phases, 0.0)
     by_bucket: dict[int, list[float]] = {}  # T -> [steps, device seconds, tokens]
@@ -64,6 +69,7 @@ def run_pagedjax(reqs: list[dict], ns) -> dict:
         for out in eng.step():
             if out.finished:
                 lens[out.request_id] = len(out.outputs[0].token_ids)
+                first[out.request_id] = list(out.outputs[0].token_ids[:FIRST_TOKENS])
         usage.append((time.perf_counter() - t0, eng.scheduler.stats().kv_cache_usage))
         timing = eng.last_step_timing
         for k in phases:
@@ -78,6 +84,8 @@ def run_pagedjax(reqs: list[dict], ns) -> dict:
     return {
         "wall_s": wall,
         "startup_s": startup,
+        "cpu_kernel_isa": getattr(eng.config.model_config, "cpu_kernel_isa", None),
+        "first_tokens": [first[str(i)] for i in range(len(reqs))],
         "compile_s": eng.compile_seconds,
         "engine_steps": eng.stat_logger.num_steps,
         "model_flops": workload_flops(eng.config.model_config.arch, reqs),
@@ -196,6 +204,10 @@ def main(argv=None) -> None:
         help="vllm: the default model as a HF folder (python -m benchmarks.export_hf)",
     )
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--kv-cache-dtype", default="auto", help="pagedjax: auto | fp8 | fp8_e5m2")
+    p.add_argument(
+        "--cpu-kernel-isa", default="auto", help="pagedjax: auto | avx512 | avx2 | portable"
+    )
     ns = p.parse_args(argv)
     reqs = load_any_workload(ns.workload)
     result = BACKENDS[ns.backend](reqs, ns)
@@ -218,7 +230,9 @@ def main(argv=None) -> None:
     with open(ns.out, "w") as f:
         json.dump(result, f, indent=1)
     print(
-        json.dumps({k: v for k, v in result.items() if k not in ("env", "kv_cache_usage")}),
+        json.dumps(
+            {k: v for k, v in result.items() if k not in ("env", "kv_cache_usage", "first_tokens")}
+        ),
         file=sys.stderr,
     )
 

@@ -35,12 +35,12 @@ def environment() -> dict:
         ).stdout.strip()
     except OSError:
         commit = ""
-    cpu = ""
+    cpu, flags = "", []
     try:
         with open("/proc/cpuinfo") as f:
-            cpu = next(
-                (line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), ""
-            )
+            lines = f.read().splitlines()
+        cpu = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), "")
+        flags = next((ln.split(":", 1)[1].split() for ln in lines if ln.startswith("flags")), [])
     except OSError:
         pass
     return {
@@ -51,6 +51,8 @@ def environment() -> dict:
         "devices": [str(d) for d in jax.devices()] if jax else [],
         "machine": platform.machine(),
         "cpu": cpu,
+        # the vector extensions the native kernels' ISA paths depend on
+        "cpu_flags": sorted(f for f in flags if f.startswith(("avx", "fma", "amx"))),
         "cpu_count": os.cpu_count(),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
     }

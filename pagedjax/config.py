@@ -58,6 +58,10 @@ class ModelConfig:
             for the native CPU matmul, `ops.cpu_linear.pack_params`).
         cpu_kernel_isa: the native CPU kernels' ISA path, "avx512" | "avx2" | "portable"
             (`ops.cpu_kernels`; the engine resolves "auto" to the widest the CPU runs).
+        batch_invariant: a request's logits are the same bits whatever else shares its
+            steps: under `linear_backend="cpu"` the native matmul runs steps of every size
+            (False: steps over `cpu_linear.MAX_TOKENS` tokens use XLA's dot, whose
+            rounding depends on the step's shape).
         max_logprobs: the most logprobs / prompt_logprobs a request may ask for.
         download_dir: where conversions are cached.
         quantization: None (float weights), "int8" | "w8a8" | "fp8" (float weights quantized
@@ -81,6 +85,7 @@ class ModelConfig:
     quantization: str | None = None
     linear_backend: str = "xla"
     cpu_kernel_isa: str = "auto"
+    batch_invariant: bool = True
 
 
 @dataclasses.dataclass(frozen=True)

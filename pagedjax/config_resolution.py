@@ -133,6 +133,7 @@ def resolve_engine_config(args) -> EngineConfig:
         max_logprobs=args.max_logprobs,
         linear_backend=linear_backend,
         cpu_kernel_isa=cpu_kernel_isa,
+        batch_invariant=bool(args.batch_invariant),
         download_dir=args.download_dir,
         quantization=quantization,
     )

@@ -111,6 +111,12 @@ class EngineArgs:
         "portable; a narrower one may be forced, one build of the kernels per path).",
         choices=CPU_KERNEL_ISAS,
     )
+    batch_invariant: bool = _field(
+        True,
+        "A request's logits bit-identical whatever shares its steps (CPU, linear_backend "
+        "'cpu': the native matmul at every step size; off: XLA's dot for steps over 128 "
+        "tokens).",
+    )
     max_logprobs: int = _field(20, "Most logprobs / prompt_logprobs a request may ask for.")
     download_dir: str | None = _field(
         None, "Cache folder for model conversions (default ~/.cache/pagedjax)."

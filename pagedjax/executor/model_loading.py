@@ -76,5 +76,6 @@ def load_model(config: EngineConfig, devices=None) -> LoadedModel:
         kv_cache_dtype=cc.kv_cache_dtype,
     )
     if mc.linear_backend == "cpu":  # the native matmul's panel layout, packed once
-        params = cpu_linear.pack_params(params)
+        max_rows = 0 if mc.batch_invariant else cpu_linear.MAX_TOKENS
+        params = cpu_linear.pack_params(params, max_rows)
     return LoadedModel(tokenizer, plan, params, time.perf_counter() - t0)

@@ -81,14 +81,8 @@ def linear(x: jax.Array, w: Weight, *, num_rows: jax.Array | int | None = None) 
     if isinstance(w, QuantizedWeight):
         return quantized_matmul(x, w)
     if isinstance(w, LayerView):
-        # The kernel's gain is reading layer i in place; in a step of more than MAX_TOKENS
-        # tokens the copy is small next to the dot and XLA's dot is as fast, so the layer is
-        # unpacked (a transposing copy) for it.
-        if x.shape[0] > cpu_linear.MAX_TOKENS:
-            layer = jax.tree.map(
-                lambda a: jax.lax.dynamic_index_in_dim(a, w.index, 0, False), w.stack
-            )
-            return x @ cpu_linear.unpack(layer).astype(x.dtype)
+        if w.stack.max_rows and x.shape[0] > w.stack.max_rows:
+            return _unpacked_dot(x, w)
         return cpu_linear.matmul(x, w.stack, w.index, num_rows).astype(x.dtype)
     if isinstance(w, cpu_linear.PackedWeight):
         # One weight, not a stack: unpacking would copy all of it on every call.
@@ -100,6 +94,15 @@ def linear(x: jax.Array, w: Weight, *, num_rows: jax.Array | int | None = None) 
             )
         return cpu_linear.matmul(x, w, 0, num_rows).astype(x.dtype)
     return x @ w
+
+
+def _unpacked_dot(x: jax.Array, w: LayerView) -> jax.Array:
+    """XLA's dot on layer w.index of the stack, unpacked (a transposing copy): the
+    `batch_invariant=False` engine's path for steps of more than `max_rows` tokens, where
+    the copy is small next to the dot (rows then depend on the step's size in their last
+    bits: XLA picks its blocking by shape)."""
+    layer = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, w.index, 0, False), w.stack)
+    return x @ cpu_linear.unpack(layer).astype(x.dtype)
 
 
 def reads_in_place(w: Weight) -> bool:
