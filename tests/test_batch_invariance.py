@@ -3,8 +3,9 @@
 Six prompts run alone, then each set of them inside batches of 1, 7 and 40 other requests of
 mixed lengths: long prompts prefilled in chunks (a 192-token step budget, so steps range from
 one decode row to 192 tokens, past the 128 where XLA's dot would take over without
-`batch_invariant`), steps mixing prefill chunks and decode rows, and prompts that share a 32-token prefix with a target (prefix
-cache hits; the target's own prompt may then be computed from a different chunk boundary).
+`batch_invariant`), steps mixing prefill chunks and decode rows, and prompts that share a
+32-token prefix with a target (prefix cache hits; the target's own prompt may then be
+computed from a different chunk boundary).
 Each target's greedy tokens and top-5 logprobs at every output position must be bit-identical
 to its run alone: every row of a step is reduced in the same order whatever the step's size
 (the native matmul at every step size, the native attention per query row)."""
