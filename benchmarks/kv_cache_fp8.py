@@ -10,7 +10,8 @@ KV-cache byte budget each: `kv_cache_dtype="auto"` (float32 pages) and `"fp8"`
 the engines alternate, `--reps` times after a warm-up each; reported: the median decode step
 (B tokens) and its device part. From each engine's start-up log line: the blocks, the tokens
 they hold and the maximum concurrency for `max_model_len`-token requests. Threads: XLA's pool,
-every core; on a shared machine timings are noisy, hence the alternation.
+every core; on a shared machine timings are noisy, hence the alternation. Last, each engine's
+greedy chat answer to "What is the capital of France?".
 """
 
 from __future__ import annotations
@@ -103,8 +104,20 @@ def main(argv=None) -> dict:
                 file=sys.stderr,
                 flush=True,
             )
+    from pagedjax import SamplingParams
+
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    answers = {
+        d: engines[d]
+        .chat(chat, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0]
+        .outputs[0]
+        .text
+        for d in DTYPES
+    }
+    print(f"greedy chat answers: {answers}", file=sys.stderr)
     result = {
         "benchmark": "kv_cache_fp8",
+        "chat_answers": answers,
         "config": vars(ns),
         "cpu_kernel_isa": engines["auto"].llm_engine.config.model_config.cpu_kernel_isa,
         "cache": logs,

@@ -51,6 +51,24 @@ def _run(llm, prompts):
     ]
 
 
+@pytest.mark.parametrize("D", [1, 5, 64, 576])
+def test_row_sum_is_the_sum_and_the_same_bits_in_any_batch(D):
+    """`layers.row_sum` equals float64 NumPy's sum within float32 rounding, and a row's sum is
+    the same bits jitted alone or among 7 / 300 rows (its order is fixed by D alone)."""
+    import jax
+
+    from pagedjax.models.layers import row_sum
+
+    rng = np.random.default_rng(D)
+    x = rng.standard_normal((300, D)).astype(np.float32)
+    f = jax.jit(row_sum)
+    whole = np.asarray(f(x))
+    assert whole.shape == (300, 1)
+    np.testing.assert_allclose(whole[:, 0], x.astype(np.float64).sum(-1), rtol=1e-5, atol=1e-5)
+    for rows in ([3], list(range(7)), list(range(300))):
+        assert np.array_equal(np.asarray(f(x[rows])), whole[rows])
+
+
 def test_logprobs_do_not_depend_on_the_batch(make_llm, tiny_llama_dir):
     llm = make_llm(tiny_llama_dir, max_model_len=256, max_num_seqs=48, max_num_batched_tokens=192)
     cfg = llm.llm_engine.config.model_config
