@@ -50,6 +50,7 @@ def run_pagedjax(reqs: list[dict], ns) -> dict:
         # only when set, so that this script also drives older checkouts (A/B runs)
         **({"kv_cache_dtype": ns.kv_cache_dtype} if ns.kv_cache_dtype != "auto" else {}),
         **({"cpu_kernel_isa": ns.cpu_kernel_isa} if ns.cpu_kernel_isa != "auto" else {}),
+        **({} if ns.batch_invariant else {"batch_invariant": False}),
     )
     startup = time.perf_counter() - t0
     eng = llm.llm_engine
@@ -207,6 +208,12 @@ def main(argv=None) -> None:
     p.add_argument("--kv-cache-dtype", default="auto", help="pagedjax: auto | fp8 | fp8_e5m2")
     p.add_argument(
         "--cpu-kernel-isa", default="auto", help="pagedjax: auto | avx512 | avx2 | portable"
+    )
+    p.add_argument(
+        "--batch-invariant",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="pagedjax: batch_invariant (off: XLA's dot for steps over 128 tokens)",
     )
     ns = p.parse_args(argv)
     reqs = load_any_workload(ns.workload)
