@@ -8,6 +8,10 @@ bucket (`executor.step.step`). Every bucket is compiled at warm-up; a step whose
 executable raises instead of compiling (after warm-up a compile is a bug), and
 `compile_count()` counts every XLA compilation of the process, so tests can assert none happen.
 
+A step whose scheduler output carries a structured-output `grammar_bitmask` sends it with the
+packed inputs, each row at its sampler row, and sets the packed `use_bitmask` flag; any other
+step passes a device-resident all-ones bitmask of its bucket (no transfer) and the flag off.
+
 The host buffer of a bucket is reused by the next step of that bucket; this is safe because
 `execute` waits for the step's sampled tokens before returning.
 """
@@ -33,6 +37,7 @@ from pagedjax.engine.interface import (
 )
 from pagedjax.executor import step as step_fn
 from pagedjax.executor.input_batch import BatchBuilder, SeqInput
+from pagedjax.executor.model_loading import stage_layout
 from pagedjax.executor.request_state import RequestState, bias_row
 from pagedjax.ops.kv_cache import (
     KVCache,
@@ -101,6 +106,10 @@ class ModelRunner:
         )
         pp = config.parallel_config.pipeline_parallel_size
         self.num_microbatches = pp if pp > 1 else 0  # one micro-batch per stage
+        self.stages = stage_layout(config)
+        # Layer rows of the KV cache: L, or P x the largest stage for uneven stages (the
+        # smaller stages' padding rows are allocated, never written).
+        self.num_cache_layers = self.stages.padded_num_layers
         self._jit_step = jax.jit(
             step_fn.step,
             static_argnames=(
@@ -112,6 +121,7 @@ class ModelRunner:
                 "max_logprobs",
                 "mesh",
                 "num_microbatches",
+                "stages",
             ),
             donate_argnames=("kv_cache", "sampling_state"),
         )
@@ -121,6 +131,7 @@ class ModelRunner:
             tile=QUERY_TILE_SIZE,
             chunk_pages=chunk_pages,
             max_logprobs=self.max_logprobs,
+            stages=self.stages if pp > 1 else None,
         )
         self.num_blocks = 0
         self.kv_cache: KVCache | None = None
@@ -128,6 +139,7 @@ class ModelRunner:
             init_sampling_state, static_argnums=(0, 1), out_shardings=plan.replicated()
         )(self.num_slots, self.arch.vocab_size)
         self._executables: dict[int, Any] = {}
+        self._no_bitmask: dict[int, jax.Array] = {}  # per bucket: all ones, on the device
         self._ops: dict[str, Any] = {}
         self.host_cache: np.ndarray | None = None  # [2, L, num_host_blocks + 1, bs, K, H]
         self.num_host_blocks = 0
@@ -137,9 +149,10 @@ class ModelRunner:
     # ----------------------------------------------------------------- memory
 
     def bytes_per_block(self) -> int:
+        """KV bytes of one block over all the cache's layer rows (`num_cache_layers`)."""
         a = self.arch
         return kv_cache_bytes_per_block(
-            a.num_hidden_layers, self.block_size, a.num_key_value_heads, a.head_dim, self.kv_dtype
+            self.num_cache_layers, self.block_size, a.num_key_value_heads, a.head_dim, self.kv_dtype
         )
 
     def determine_num_blocks(self) -> int:
@@ -182,22 +195,48 @@ class ModelRunner:
             layout = self.builder.layout(T)
             shape = (layout.size,)
         packed = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.plan.replicated())
+        bitmask = jax.ShapeDtypeStruct(
+            self._bitmask_shape(layout), jnp.int32, sharding=self.plan.replicated()
+        )
         return self._jit_step.lower(
             self.params,
             kv_spec,
             self.sampling_state,
             packed,
+            bitmask,
             layout=layout,
             mesh=self.plan.mesh if M else None,
             num_microbatches=M,
             **self._static,
         )
 
+    def _bitmask_shape(self, layout) -> tuple[int, int]:
+        """[sampler rows, ceil(V / 32)]: the step's structured-output bitmask."""
+        rows = layout.num_seqs * max(1, self.num_microbatches)
+        return rows, (self.arch.vocab_size + 31) // 32
+
+    def _step_bitmask(self, so: SchedulerOutput, batch):
+        """The bitmask argument of a step: the scheduler's rows at their sampler rows (and
+        the packed flag set), or the bucket's all-ones device array."""
+        key = batch.layout.num_tokens
+        if so.grammar_bitmask is None:
+            ones = self._no_bitmask.get(key)
+            if ones is None:
+                shape = self._bitmask_shape(batch.layout)
+                ones = jax.device_put(np.full(shape, -1, np.int32), self.plan.replicated())
+                self._no_bitmask[key] = ones
+            return ones
+        mask = np.full(self._bitmask_shape(batch.layout), -1, np.int32)
+        mask[batch.sample_rows] = so.grammar_bitmask
+        flag = batch.layout.offsets["use_bitmask"][0]
+        batch.buffer[..., flag] = 1
+        return mask
+
     def _activation_bytes(self) -> int:
         """Temporary bytes of the largest bucket's step, from XLA's memory analysis."""
         a = self.arch
         shape = kv_cache_shape(
-            a.num_hidden_layers, 2, self.block_size, a.num_key_value_heads, a.head_dim
+            self.num_cache_layers, 2, self.block_size, a.num_key_value_heads, a.head_dim
         )
         kv_spec = (jax.ShapeDtypeStruct(shape, self.kv_dtype, sharding=self.plan.kv_cache()),) * 2
         compiled = self._lower_step(self.builder.buckets[-1], kv_spec).compile()
@@ -209,12 +248,12 @@ class ModelRunner:
         a = self.arch
         self.num_blocks = num_blocks
         shape = kv_cache_shape(
-            a.num_hidden_layers, num_blocks, self.block_size, a.num_key_value_heads, a.head_dim
+            self.num_cache_layers, num_blocks, self.block_size, a.num_key_value_heads, a.head_dim
         )
         self.kv_cache = init_kv_cache(shape, self.kv_dtype, self.plan.kv_cache())
         self.num_host_blocks = num_host_blocks
         if num_host_blocks:
-            host_shape = (2, a.num_hidden_layers, num_host_blocks + 1, *shape[2:])
+            host_shape = (2, self.num_cache_layers, num_host_blocks + 1, *shape[2:])
             self.host_cache = np.zeros(host_shape, self.kv_dtype)
 
     @property
@@ -223,12 +262,13 @@ class ModelRunner:
         return self.plan.mesh.devices.flat[0].platform
 
     def layout(self) -> dict[str, Any]:
-        """The mesh shape, its devices, and the bytes of params and KV cache on each device
-        (device id as a string)."""
+        """The mesh shape, its devices, the decoder layers of each pipeline stage, and the
+        bytes of params and KV cache on each device (device id as a string)."""
         mesh = self.plan.mesh
         return {
             "mesh": dict(mesh.shape),
             "devices": [str(d) for d in mesh.devices.flat],
+            "stage_layers": list(self.stages.sizes),
             "param_bytes_per_device": per_device_bytes(self.params),
             "kv_cache_bytes_per_device": per_device_bytes(self.kv_cache),
         }
@@ -374,9 +414,10 @@ class ModelRunner:
         exe = self._executables.get(batch.layout.num_tokens)
         if exe is None:
             raise RuntimeError(f"no compiled step for {batch.layout}; warm up first")
+        bitmask = self._step_bitmask(so, batch)
         t1 = time.perf_counter()
         out, self.kv_cache, self.sampling_state = exe(
-            self.params, self.kv_cache, self.sampling_state, batch.buffer
+            self.params, self.kv_cache, self.sampling_state, batch.buffer, bitmask
         )
         s = out.sampled
         token_ids, logprobs = np.asarray(s.token_ids), np.asarray(s.logprobs)

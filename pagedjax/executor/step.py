@@ -1,10 +1,12 @@
 """The pure device functions the runner compiles: the engine step and the small block and
 sampling-state operations around it.
 
-    step(params, kv_cache, sampling_state, packed) ->
+    step(params, kv_cache, sampling_state, packed, bitmask) ->
         (StepOutput, kv_cache, sampling_state)
 
-`packed` is the step's one int32 host buffer (`executor.input_batch.PackedLayout`); the KV cache
+`packed` is the step's one int32 host buffer (`executor.input_batch.PackedLayout`); `bitmask`
+the structured-output token bitmask of the sampler rows (`ops.bitmask`; applied only when the
+packed flag `use_bitmask` is set, otherwise a device-resident array of ones); the KV cache
 and the sampling state are donated so that they are updated in place. Logits never leave the
 device: the sampler runs inside the step and only ids, logprobs and the requested top-k
 alternatives come back.
@@ -21,6 +23,7 @@ from flax import struct
 from pagedjax.executor.input_batch import PackedLayout
 from pagedjax.models import registry
 from pagedjax.ops.attention import METADATA_FIELDS, AttentionMetadata
+from pagedjax.ops.bitmask import maybe_apply_token_bitmask
 from pagedjax.ops.sampling import (
     SamplerOutput,
     SamplingMetadata,
@@ -55,6 +58,7 @@ def step(
     kv_cache,
     sampling_state,
     packed,
+    bitmask,
     *,
     layout: PackedLayout,
     cfg,
@@ -64,14 +68,19 @@ def step(
     max_logprobs: int,
     mesh=None,
     num_microbatches: int = 0,
+    stages=None,
 ):
     """One engine step: the model over the flat batch, logits of each sequence's last token,
-    the sampler, and (when asked) prompt logprobs.
+    the structured-output `bitmask` ([rows, ceil(V / 32)] int32, one row per sampler row;
+    applied when a micro-batch sets `use_bitmask`), the sampler, and (when asked) prompt
+    logprobs.
 
     With `num_microbatches` M > 0 (pipeline parallelism), `packed` is [M, layout.size], one
     micro-batch per row, run through `sharding.pipeline.pipeline_decoder` on `mesh`; the
     sampler then sees the M x S rows of all micro-batches, and prompt logprobs the M x T
-    tokens, in micro-batch order. The model is the registry's for `cfg.architecture`.
+    tokens, in micro-batch order; `stages` (a `sharding.stages.StageLayout`, or None for an
+    even split) says which layers each stage runs. The model is the registry's for
+    `cfg.architecture`.
     """
     model = registry.get_model(cfg.architecture)
     if num_microbatches:
@@ -88,6 +97,7 @@ def step(
             attention_backend=backend,
             tile=tile,
             chunk_pages=chunk_pages,
+            stages=stages,
         )
         hidden = model.final_norm(params, h, cfg)  # [M, Tm, D]
         rows = jnp.concatenate([hidden[m][a["logits_indices"]] for m, a in enumerate(parts)])
@@ -135,6 +145,8 @@ def step(
     )
     want_logprobs = jnp.any(jnp.stack([a["want_logprobs"] for a in parts]) != 0)
     want_prompt = jnp.any(jnp.stack([a["want_prompt"] for a in parts]) != 0)
+    use_bitmask = jnp.any(jnp.stack([a["use_bitmask"] for a in parts]) != 0)
+    logits = maybe_apply_token_bitmask(logits, bitmask, use_bitmask)
     sampled = sample(
         logits, sm, sampling_state, max_logprobs=max_logprobs, want_logprobs=want_logprobs
     )
