@@ -51,6 +51,7 @@ def run_pagedjax(reqs: list[dict], ns) -> dict:
         **({"kv_cache_dtype": ns.kv_cache_dtype} if ns.kv_cache_dtype != "auto" else {}),
         **({"cpu_kernel_isa": ns.cpu_kernel_isa} if ns.cpu_kernel_isa != "auto" else {}),
         **({} if ns.batch_invariant else {"batch_invariant": False}),
+        speculative_config=ns.speculative_config,
     )
     startup = time.perf_counter() - t0
     eng = llm.llm_engine
@@ -215,6 +216,7 @@ def main(argv=None) -> None:
         default=True,
         help="pagedjax: batch_invariant (off: XLA's dot for steps over 128 tokens)",
     )
+    p.add_argument("--speculative-config", default=None, help="pagedjax: JSON, as vLLM's")
     ns = p.parse_args(argv)
     reqs = load_any_workload(ns.workload)
     result = BACKENDS[ns.backend](reqs, ns)

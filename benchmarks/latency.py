@@ -1,8 +1,9 @@
 """Latency of one batch, and where a step's time goes (also `pagedjax bench latency`).
 
     python -m benchmarks.latency [--batch-size 8,64,256] [--input-len 128] [--output-len 16]
-        [--waiting 0,64,1024] [--reps 3] [--out benchmarks/results/latency.json]
+        [--waiting 0,64,1024] [--reps 3] [--speculative-config JSON]
         [--kv-cache-dtype auto|fp8] [--cpu-kernel-isa auto|avx512|avx2|portable]
+        [--out benchmarks/results/latency.json]
 
 For each batch size B: B requests of `--input-len` random prompt tokens (distinct per
 request, so that no prefix is shared) are added at once, greedy, EOS ignored, `--output-len`
@@ -18,6 +19,12 @@ tokens each. Reported per batch size (medians over `--reps` after one warm-up ba
   on the host: compute + transfers), and the host work after it (scheduler update, stop
   checks, detokenization, outputs); host_fraction = (step - device) / step.
 
+With `--speculative-config` (vLLM's JSON, e.g. '{"method": "ngram",
+"num_speculative_tokens": 4}') a decode step verifies proposals, so it may yield several
+tokens per request: decode_tok_s (output tokens after the first, per request, over the time
+from the batch's last first token to its end) is the figure to compare, and the row carries
+the acceptance counters of the run.
+
 `--waiting N` adds N more requests that cannot run (max_num_seqs = B), to show that the host
 part of a step does not grow with the waiting queue.
 """
@@ -25,6 +32,7 @@ part of a step does not grow with the waiting queue.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import sys
@@ -72,7 +80,7 @@ def run_batch(llm, batch: int, waiting: int, ns, rnd: random.Random) -> dict:
         if prefill_s is None:
             if first >= set(ids[:batch]):
                 prefill_s = time.perf_counter() - t0
-        elif timing.num_scheduled_tokens == batch and running:
+        elif timing.num_seqs == batch and running:
             decode.append(timing.as_dict())
     e2e = time.perf_counter() - t0
     eng.abort_request(ids[batch:])
@@ -92,6 +100,7 @@ def main(argv=None) -> dict:
     p.add_argument("--kv-cache-dtype", default="auto", help="auto | fp8 | fp8_e5m2")
     p.add_argument("--cpu-kernel-isa", default="auto", help="auto | avx512 | avx2 | portable")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--speculative-config", default=None, help="JSON, as vLLM's")
     p.add_argument("--out", default="benchmarks/results/latency.json")
     ns = p.parse_args(argv)
 
@@ -111,6 +120,7 @@ def main(argv=None) -> dict:
         enable_prefix_caching=False,
         disable_log_stats=True,
         use_tqdm_on_load=False,
+        speculative_config=ns.speculative_config,
     )
     startup = time.perf_counter() - t0
     eng = llm.llm_engine
@@ -136,7 +146,12 @@ def main(argv=None) -> dict:
                     (split["total_s"] - split["device_s"]) / split["total_s"] if split else None
                 ),
                 "decode_steps_measured": len(steps),
+                "decode_tok_s": median(
+                    [batch * (ns.output_len - 1) / (r["e2e_s"] - r["prefill_s"]) for r in runs]
+                ),
             }
+            if eng.speculator is not None:
+                row["spec_decode"] = dataclasses.asdict(eng.speculator.stats)
             rows.append(row)
             print(
                 f"B={batch:4d} waiting={waiting:5d}  prefill {row['prefill_s'] * 1e3:8.1f} ms  "
@@ -156,6 +171,7 @@ def main(argv=None) -> dict:
         "cpu_kernel_isa": eng.config.model_config.cpu_kernel_isa,
         "startup_s": startup,
         "compile_s": eng.compile_seconds,
+        "speculative_config": ns.speculative_config,
         "rows": rows,
         "env": environment(),
     }

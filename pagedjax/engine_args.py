@@ -74,7 +74,9 @@ class EngineArgs:
     quantization: str | None = _field(
         None,
         "Weight quantization: int8 (weight-only), w8a8, fp8 (quantized on load), awq, gptq "
-        "(4-bit checkpoints); default: the checkpoint's quantization_config.",
+        "(4-bit checkpoints), gguf (a GGUF file's blocks kept quantized); default: the "
+        "checkpoint's quantization_config, and for a GGUF file gguf unless dtype is given (then "
+        "dequantized to it).",
         choices=QUANTIZATION_METHODS,
     )
     enable_chunked_prefill: bool = _field(True, "Prefill long prompts over several steps.")
@@ -131,6 +133,12 @@ class EngineArgs:
         None, "JAX persistent compilation cache ('' disables; default <download_dir>/xla-cache)."
     )
     disable_log_stats: bool = _field(False, "Do not log engine stats.")
+    speculative_config: dict | str | None = _field(
+        None,
+        'Speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": '
+        'k, "prompt_lookup_max": 4, "prompt_lookup_min": 1} or {"method": '
+        '"draft_model", "model": PATH, "num_speculative_tokens": k}; k <= 16.',
+    )
 
     @classmethod
     def field_names(cls) -> set[str]:

@@ -12,7 +12,7 @@ import json
 import re
 import threading
 
-import jsonschema
+import jsonschema_rs
 import llguidance as llg
 import llguidance.hf
 import llguidance.numpy as llg_np
@@ -61,7 +61,7 @@ CONSTRAINTS = {
 def output_is_valid(kind: str, text: str) -> bool:
     """The finished output satisfies its constraint (checked without llguidance)."""
     if kind == "json":
-        jsonschema.validate(json.loads(text), SCHEMA)
+        jsonschema_rs.validate(SCHEMA, json.loads(text))
         return True
     pattern = {"regex": REGEX, "lark": LARK_RE, "gbnf": GBNF_RE}.get(kind)
     if pattern is not None:
@@ -211,7 +211,7 @@ def test_n3_samples_each_follow_the_grammar(llm, lltok, recorder):
     assert len(out.outputs) == 3
     for c in out.outputs:
         assert check_sequence(lltok, so, f"{c.index}_{out.request_id}", c.token_ids, recorder)
-        jsonschema.validate(json.loads(c.text), SCHEMA)
+        jsonschema_rs.validate(SCHEMA, json.loads(c.text))
     assert len({c.text for c in out.outputs}) > 1  # each sample its own draws and matcher
 
 
@@ -410,6 +410,6 @@ def test_json_with_a_real_bpe_vocabulary(smol_llm):
             c = o.outputs[0]
             assert check_sequence(lltok, so, o.request_id, c.token_ids, rec)
             assert c.finish_reason == "stop"
-            jsonschema.validate(json.loads(c.text), SCHEMA)
+            jsonschema_rs.validate(SCHEMA, json.loads(c.text))
     finally:
         rec.close()
