@@ -166,6 +166,9 @@ class ParallelConfig:
     tensor_parallel_size: devices each layer is split over (heads and MLP columns).
     pipeline_parallel_size: stages the layers are split into.
     data_parallel_size: replicas of the whole model, each with its own scheduler.
+    enable_expert_parallel: a mixture-of-experts model's experts are split by index over the
+        tensor-parallel devices (each holds num_experts / tensor_parallel_size whole
+        experts) instead of each expert's MLP columns.
     distributed_executor_backend: None or "mp" (processes started by the user, one per host,
         joined by JAX's distributed runtime), or "ray" (processes placed as Ray actors).
     coordinator_address, num_processes, process_id: `jax.distributed.initialize`'s
@@ -175,6 +178,7 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
+    enable_expert_parallel: bool = False
     distributed_executor_backend: str | None = None
     coordinator_address: str | None = None
     num_processes: int = 1

@@ -82,6 +82,11 @@ class EngineArgs:
     tensor_parallel_size: int = _field(1, "Tensor-parallel size.")
     pipeline_parallel_size: int = _field(1, "Pipeline-parallel size.")
     data_parallel_size: int = _field(1, "Data-parallel size.")
+    enable_expert_parallel: bool = _field(
+        False,
+        "Mixture-of-experts models: spread whole experts over the tensor-parallel devices "
+        "(expert parallelism) instead of splitting every expert's MLP columns.",
+    )
     distributed_executor_backend: str | None = _field(
         None,
         "Multi-process backend: 'mp' (processes you start, one per host) or 'ray'.",

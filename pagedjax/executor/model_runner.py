@@ -142,6 +142,12 @@ class ModelRunner:
             a.num_hidden_layers, self.block_size, a.num_key_value_heads, a.head_dim, self.kv_dtype
         )
 
+    def weight_bytes(self) -> int:
+        """Bytes of params on the device that holds the most of them (each device's share
+        of its sharded weights: a tensor-parallel split, a pipeline stage, num_experts / TP
+        whole experts under expert parallelism)."""
+        return max(per_device_bytes(self.params).values())
+
     def determine_num_blocks(self) -> int:
         """Blocks the KV cache gets (block 0, the null block, included).
 
@@ -162,7 +168,9 @@ class ModelRunner:
             need = sc.max_num_seqs * math.ceil(self.max_model_len / self.block_size) + 1
             return max(2, min(need, CPU_DEFAULT_KV_CACHE_BYTES // per_block))
         budget = int(stats["bytes_limit"] * cc.gpu_memory_utilization)
-        fixed = sum(x.nbytes for x in jax.tree.leaves((self.params, self.sampling_state)))
+        # per device: sharded weights (tensor-parallel columns, experts split over devices
+        # under expert parallelism, pipeline stages) count for what one device holds
+        fixed = self.weight_bytes() + sum(x.nbytes for x in jax.tree.leaves(self.sampling_state))
         activations = self._activation_bytes()
         free = budget - fixed - activations
         if free < 2 * per_block:
@@ -188,7 +196,7 @@ class ModelRunner:
             self.sampling_state,
             packed,
             layout=layout,
-            mesh=self.plan.mesh if M else None,
+            mesh=self.plan.mesh if M or getattr(self.arch, "expert_parallel", False) else None,
             num_microbatches=M,
             **self._static,
         )

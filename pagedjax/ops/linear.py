@@ -130,3 +130,32 @@ def layer_weights(
     """
     index = jnp.asarray(index, jnp.int32)
     return {**sliced, **{name: LayerView(w, index) for name, w in in_place.items()}}
+
+
+def expert_linear(x: jax.Array, w: Weight, expert: jax.Array) -> jax.Array:
+    """The grouped matmul of a mixture-of-experts layer: tile t of `x` times expert
+    `expert[t]`'s weight, for every tile at once, whatever kind the expert stack is.
+
+    Args:
+        x: [n_tiles, m, in] activations in the model dtype (m rows per tile, all routed to
+            one expert).
+        w: a stack of expert weights, logical shape [E, in, out]: a plain array or a
+            `QuantizedWeight` (int8, w8a8, fp8) whose leaves lead with E.
+        expert: [n_tiles] int32 in [0, E), the expert of each tile.
+
+    Returns:
+        [n_tiles, m, out] in x's dtype. Each tile reads one expert's weight (a gather of
+        n_tiles weights), so the FLOPs are 2 * n_tiles * m * in * out, whatever E is.
+
+    Raises:
+        ValueError: a weight kind the grouped matmul does not take (packed CPU panels; int4).
+    """
+    if isinstance(w, QuantizedWeight):
+        if w.method not in ("int8", "w8a8", "fp8"):
+            raise ValueError(f"expert weights quantized as {w.method!r} are not supported")
+        picked = jax.tree.map(lambda a: jnp.take(a, expert, axis=0), w)
+        return jax.vmap(quantized_matmul)(x, picked)
+    if isinstance(w, cpu_linear.PackedWeight | LayerView):
+        raise ValueError("expert weights cannot be pre-packed for the native CPU matmul")
+    picked = jnp.take(w, expert, axis=0)  # [n_tiles, in, out]
+    return jnp.einsum("tmi,tio->tmo", x, picked.astype(x.dtype))

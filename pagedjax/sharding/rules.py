@@ -6,6 +6,10 @@ alone maps them onto the mesh of a replica:
     "q_heads", "kv_heads", "mlp", "vocab"  ->  "tensor"   (Megatron-style tensor parallelism:
         column-parallel q/k/v, gate and up; row-parallel o and down; vocab-parallel embedding
         and LM head; Shoeybi et al., 2019)
+    "moe_mlp"                               ->  "tensor"   (each expert's MLP columns, as a
+        dense MLP's: a mixture-of-experts model without expert parallelism)
+    "expert"                                ->  "tensor"   (whole experts by index: expert
+        parallelism, `sharding.expert`; a model names this axis only when it is on)
     "layers"                                ->  "pipeline" (each stage holds its layers)
     "embed", anything else                  ->  replicated
 
@@ -28,7 +32,15 @@ from pagedjax.sharding.mesh import PIPELINE, TENSOR
 
 logger = logging.getLogger(__name__)
 
-RULES = {"q_heads": TENSOR, "kv_heads": TENSOR, "mlp": TENSOR, "vocab": TENSOR, "layers": PIPELINE}
+RULES = {
+    "q_heads": TENSOR,
+    "kv_heads": TENSOR,
+    "mlp": TENSOR,
+    "moe_mlp": TENSOR,
+    "expert": TENSOR,
+    "vocab": TENSOR,
+    "layers": PIPELINE,
+}
 
 # Logical axes of the KV cache arrays [L, num_blocks, block_size, K, H].
 KV_CACHE_AXES = ("layers", None, None, "kv_heads", None)
@@ -92,10 +104,10 @@ class ShardingPlan:
         def field(axes, name: str, ndim: int):
             if axes is None:
                 return self.replicated()
-            layers, out = axes[0], axes[-1]
+            lead, out = tuple(axes[:-2]), axes[-1]  # (layers,) or (layers, expert)
             if name in ("qweight", "scales", "zeros"):
-                return self.sharding((layers,) + (None,) * (ndim - 2) + (out,))
-            return self.sharding((layers,) + (None,) * (ndim - 1))  # perm, input_scale
+                return self.sharding(lead + (None,) * (ndim - len(lead) - 1) + (out,))
+            return self.sharding(lead + (None,) * (ndim - len(lead)))  # perm, input_scale
 
         def fn(name: str, leaf: Any = None, ndim: int | None = None):
             path = name.split("/")
