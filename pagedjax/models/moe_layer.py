@@ -3,7 +3,7 @@ grouped matmul over the chosen experts only.
 
 Router (Hugging Face's `MixtralTopKRouter` / `Qwen3MoeTopKRouter`): logits = x @ router
 [T, E], probabilities = softmax(logits) in float32, the top-k experts of each token
-(`jax.lax.top_k`: ties go to the lower expert index), their probabilities renormalised to sum
+(among tied probabilities the experts `torch.topk` picks: `models.router_topk`), their probabilities renormalised to sum
 to 1 when `norm_topk_prob` (always for Mixtral, whose top-k-of-logits-then-softmax is the same
 number). Each token's output is the weighted sum of its k experts' SwiGLU MLPs.
 
@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from pagedjax.models.layers import _ACTIVATIONS
+from pagedjax.models.router_topk import topk_like_torch
 from pagedjax.ops.linear import expert_linear, linear
 
 MAX_TILE_ROWS = 64
@@ -50,12 +51,13 @@ def route(
         norm_topk_prob: renormalise the k probabilities to sum to 1.
 
     Returns:
-        (expert ids [T, k] int32, in descending probability, ties to the lower index;
+        (expert ids [T, k] int32, in descending probability, tied ones as torch.topk;
         weights [T, k] in x's dtype).
     """
     logits = linear(x, router).astype(jnp.float32)  # [T, E]
     probs = jax.nn.softmax(logits, axis=-1)
-    top, ids = jax.lax.top_k(probs, top_k)  # [T, k]
+    ids = topk_like_torch(probs, top_k)  # [T, k]
+    top = jnp.take_along_axis(probs, ids, axis=-1)
     if norm_topk_prob:
         top = top / jnp.sum(top, axis=-1, keepdims=True)
     return ids.astype(jnp.int32), top.astype(x.dtype)

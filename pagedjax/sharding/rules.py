@@ -91,7 +91,8 @@ class ShardingPlan:
         that field's sharding. A quantized weight splits only its output columns: qweight
         [L, in(/8), out] and the scales / zeros [L, (G,) out] over the out axis; its input
         rows (packed, grouped or permuted) stay whole, so a row-parallel quantized layer is
-        replicated. Paths with no logical axes (KV-cache scales) are replicated.
+        replicated; a quantized expert stack [L, E, in, out] keeps its expert axis's split
+        (scales [L, E, out]). Paths with no logical axes (KV-cache scales) are replicated.
         """
         from pagedjax.ops.quant import QuantizedWeight
 
