@@ -5,7 +5,8 @@ Router (Hugging Face's `MixtralTopKRouter` / `Qwen3MoeTopKRouter`): logits = x @
 [T, E], probabilities = softmax(logits) in float32, the top-k experts of each token
 (among tied probabilities the experts `torch.topk` picks: `models.router_topk`), their
 probabilities renormalised to sum to 1 when `norm_topk_prob` (always for Mixtral, whose
-top-k-of-logits-then-softmax is the same number). Each token's output is the weighted sum of its k experts' SwiGLU MLPs.
+top-k-of-logits-then-softmax is the same number). Each token's output is the weighted sum
+of its k experts' SwiGLU MLPs.
 
 Grouped matmul (as in MegaBlocks, Gale et al., 2022): the T*k (token, expert) assignments are
 sorted by expert and laid out in tiles of m rows, each group padded to whole tiles so that
