@@ -9,8 +9,11 @@ parameters on the standard workload.
    (T=16 tokens) and a prefill-sized one (T=512): XLA's cost-analysis FLOPs of the compiled
    block and its median wall time. The goal: the 32-expert block costs at most 1.5x the
    8-expert one.
-2. Grouped matmul vs `jax.lax.ragged_dot` (the same sorted rows, one [E, D, Fe] stack): on
-   XLA's CPU backend ragged_dot computes every expert over every row, FLOPs x E.
+2. One expert matmul of sorted rows three ways: the grouped matmul (XLA: each tile's expert
+   weight gathered, a batched dot), `jax.lax.ragged_dot` (on XLA's CPU backend it computes
+   every expert over every row, FLOPs x E), and the native CPU matmul (`ops.cpu_linear`, one
+   call per tile reading the tile's expert in place from a packed stack), at decode-sized
+   (1, 8, 32 tokens) and prefill-sized (256) steps.
 3. Workload: random Mixtral (8 experts, top-2, Fe = 512) and Llama (F = 1024: the same active
    MLP parameters) checkpoints, 4 layers, D = 256, SmolLM2's vocabulary size, through the
    engine on `workloads/standard.json`'s request shapes (64 requests, greedy, EOS ignored);
@@ -30,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import environment, load_workload, median
+from pagedjax.ops import cpu_kernels, cpu_linear
 
 D, FE = 256, 512
 
@@ -102,15 +106,28 @@ def grouped_vs_ragged(tokens: int, E: int = 8, k: int = 2) -> dict:
         sizes = jnp.zeros((E,), jnp.int32).at[group].add(1)
         return jax.lax.ragged_dot(x, w, sizes)
 
-    res = {"tokens": tokens, "num_experts": E, "rows": A}
+    res = {"tokens": tokens, "num_experts": E, "rows": A, "tile_rows": m, "tiles": n_tiles}
     args = (x, w, group)
-    np.testing.assert_allclose(
-        jax.jit(grouped)(*args), jax.jit(ragged)(*args), rtol=2e-4, atol=2e-3
-    )
-    for name, fn in (("grouped", grouped), ("ragged_dot", ragged)):
+    want = jax.jit(ragged)(*args)
+    np.testing.assert_allclose(jax.jit(grouped)(*args), want, rtol=2e-4, atol=2e-3)
+    variants = [("grouped", grouped, args), ("ragged_dot", ragged, args)]
+    if cpu_kernels.available():
+        # the native matmul reads each tile's expert in place from a packed [E, D, Fe] stack
+        # (one kernel call per tile), instead of XLA's gather of the tiles' weights
+        packed = jax.jit(cpu_linear.pack)(w)
+
+        def native(x, packed, group):
+            _, dest, tile_group = group_layout(group, E, m, n_tiles)
+            rows = jnp.zeros((n_tiles * m, D), x.dtype).at[dest].set(x).reshape(n_tiles, m, D)
+            y = jax.lax.map(lambda t: cpu_linear.matmul(t[0], packed, t[1]), (rows, tile_group))
+            return y.reshape(-1, FE)[dest]
+
+        np.testing.assert_allclose(jax.jit(native)(x, packed, group), want, rtol=2e-4, atol=2e-3)
+        variants.append(("native", native, (x, packed, group)))
+    for name, fn, a in variants:
         f = jax.jit(fn)
-        res[f"{name}_flops"] = f.lower(*args).compile().cost_analysis()["flops"]
-        res[f"{name}_ms"] = 1e3 * _timed(f, *args)
+        res[f"{name}_flops"] = f.lower(*a).compile().cost_analysis()["flops"]
+        res[f"{name}_ms"] = 1e3 * _timed(f, *a)
     return res
 
 
@@ -182,7 +199,7 @@ def main(argv=None) -> dict:
     result = {
         "environment": environment(),
         "experts_sweep": experts_sweep(16) + experts_sweep(512),
-        "grouped_vs_ragged_dot": [grouped_vs_ragged(t) for t in (8, 256)],
+        "grouped_vs_ragged_dot": [grouped_vs_ragged(t) for t in (1, 8, 32, 256)],
     }
     if not ns.skip_workload:
         result["workload"] = workload(ns.reps)

@@ -411,3 +411,46 @@ def test_gguf_mixture_of_experts_is_refused_by_name(tmp_path, arch):
     writer.close()
     with pytest.raises(ValueError, match=f"mixture-of-experts.*{arch}"):
         gguf_arch_config(gguf.GGUFReader(str(path)))
+
+
+def test_fused_expert_tensors_load_as_per_expert_ones(moe_dirs, tmp_path):
+    """transformers 5's fused expert stacks (`experts.gate_up_proj` [E, 2 Fe, D],
+    `experts.down_proj` [E, D, Fe]) load to the same params as the per-expert tensors."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    folder = moe_dirs("mixtral")
+    tensors = load_file(str(folder / "model.safetensors"))
+    fused = {}
+    for layer in range(2):
+        pre = f"model.layers.{layer}.block_sparse_moe.experts"
+        w = {
+            n: [tensors.pop(f"{pre}.{e}.{n}.weight") for e in range(8)] for n in ("w1", "w2", "w3")
+        }
+        fused[f"{pre}.gate_up_proj"] = np.stack(
+            [np.concatenate([g, u]) for g, u in zip(w["w1"], w["w3"], strict=True)]
+        )
+        fused[f"{pre}.down_proj"] = np.stack(w["w2"])
+    out = tmp_path / "fused"
+    shutil.copytree(folder, out)
+    save_file({**tensors, **fused}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    _, want = _load(folder)
+    _, got = _load(out)
+    for name in ("experts_gate", "experts_up", "experts_down", "router"):
+        np.testing.assert_array_equal(got["layers"][name], want["layers"][name])
+
+
+def test_enable_expert_parallel_flag():
+    import argparse
+
+    from pagedjax.engine_args import EngineArgs
+
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    ns = parser.parse_args(["--model", "m", "--enable-expert-parallel"])
+    assert EngineArgs.from_cli_args(ns).enable_expert_parallel is True
+    assert (
+        EngineArgs.from_cli_args(parser.parse_args(["--model", "m"])).enable_expert_parallel
+        is False
+    )
