@@ -1,6 +1,7 @@
 """Device layouts side by side: step time and the collectives XLA put in each compiled step.
 
-    python -m benchmarks.sharding [--model PATH] [--devices 8] [--out results/sharding.json]
+    python -m benchmarks.sharding [--model PATH] [--num-layers 2] [--devices 8]
+        [--layouts single,pp2,...] [--out results/sharding.json]
 
 For each layout (single device, TP, PP, PP x TP, DP, DP x TP) the engine serves the same batch
 (--num-requests prompts of --prompt-len tokens, --max-tokens greedy tokens each); the result
@@ -9,7 +10,10 @@ of each kind (all-reduce, all-gather, reduce-scatter, collective-permute, all-to
 compiled HLO of the largest and the smallest token bucket. Without a GPU it runs on CPU
 devices simulated with XLA_FLAGS=--xla_force_host_platform_device_count (set here before jax
 is imported): the collectives are real, the times only show the overhead of the layout on a
-shared CPU. Default model: a tiny random Llama (4 query heads, 2 KV heads) written on the fly.
+shared CPU. Default model: a tiny random Llama (4 query heads, 2 KV heads, --num-layers
+layers) written on the fly; a layer count the pipeline size does not divide gives uneven
+stages (vLLM's split, or the layout's `pp_layer_partition`), and the result names each
+stage's layers.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ LAYOUTS = {
     "tp4": {"tensor_parallel_size": 4},
     "pp2": {"pipeline_parallel_size": 2},
     "pp2-tp2": {"pipeline_parallel_size": 2, "tensor_parallel_size": 2},
+    "pp4": {"pipeline_parallel_size": 4},
+    "pp2-part12": {"pipeline_parallel_size": 2, "pp_layer_partition": "1,2"},
     "dp2": {"data_parallel_size": 2},
     "dp2-tp2": {"data_parallel_size": 2, "tensor_parallel_size": 2},
 }
@@ -84,6 +90,7 @@ def run_layout(model: str, name: str, ns) -> dict:
     return {
         "layout": LAYOUTS[name],
         "mesh": replica.layout["mesh"],
+        "stage_layers": replica.layout["stage_layers"],
         "replicas": len(getattr(eng, "replicas", [eng])),
         "param_bytes_per_device": replica.layout["param_bytes_per_device"],
         "kv_cache_bytes_per_device": replica.layout["kv_cache_bytes_per_device"],
@@ -97,6 +104,7 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None, help="checkpoint (default: a tiny random Llama)")
     p.add_argument("--devices", type=int, default=8, help="simulated CPU devices")
+    p.add_argument("--num-layers", type=int, default=2, help="layers of the default model")
     p.add_argument("--layouts", default=",".join(LAYOUTS))
     p.add_argument("--num-requests", type=int, default=16)
     p.add_argument("--prompt-len", type=int, default=64)
@@ -115,12 +123,15 @@ def main(argv=None) -> dict:
         sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
         import conftest
 
-        model = str(conftest.make_checkpoint(Path(tempfile.mkdtemp()) / "tiny"))
-    result = {"model": model, "layouts": {}, "env": environment()}
-    for name in ns.layouts.split(","):
-        result["layouts"][name] = r = run_layout(model, name, ns)
+        folder = Path(tempfile.mkdtemp()) / "tiny"
+        model = str(conftest.make_checkpoint(folder, num_hidden_layers=ns.num_layers))
+    layers = ns.num_layers if ns.model is None else None
+    result = {"model": model, "num_layers": layers, "layouts": {}, "env": environment()}
+    for i, name in enumerate(ns.layouts.split(",")):  # a layout named twice: "name#i" again
+        key = f"{name}#{i}" if name in result["layouts"] else name
+        result["layouts"][key] = r = run_layout(model, name, ns)
         print(
-            f"{name:8} mesh {r['mesh']} x{r['replicas']}  decode step "
+            f"{name:8} mesh {r['mesh']} x{r['replicas']} stages {r['stage_layers']}  decode step "
             f"{r['decode_step_ms_median']:.1f} ms  prefill {r['prefill_s']:.2f} s  "
             f"collectives {r['collectives']}",
             file=sys.stderr,

@@ -165,6 +165,8 @@ class ParallelConfig:
 
     tensor_parallel_size: devices each layer is split over (heads and MLP columns).
     pipeline_parallel_size: stages the layers are split into.
+    pp_layer_partition: the layers of each stage as given by the user (vLLM's
+        VLLM_PP_LAYER_PARTITION), or None: vLLM's even split (`sharding.stages`).
     data_parallel_size: replicas of the whole model, each with its own scheduler.
     enable_expert_parallel: a mixture-of-experts model's experts are split by index over the
         tensor-parallel devices (each holds num_experts / tensor_parallel_size whole
@@ -177,6 +179,7 @@ class ParallelConfig:
 
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    pp_layer_partition: tuple[int, ...] | None = None
     data_parallel_size: int = 1
     enable_expert_parallel: bool = False
     distributed_executor_backend: str | None = None
@@ -194,6 +197,15 @@ class ParallelConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise _bad(name, "an integer >= 1", v)
+        if self.pp_layer_partition is not None:
+            if len(self.pp_layer_partition) != self.pipeline_parallel_size:
+                raise ValueError(
+                    f"pp_layer_partition {self.pp_layer_partition} has "
+                    f"{len(self.pp_layer_partition)} entries; pipeline_parallel_size is "
+                    f"{self.pipeline_parallel_size}"
+                )
+            if any(not isinstance(n, int) or n < 1 for n in self.pp_layer_partition):
+                raise _bad("pp_layer_partition", "layer counts >= 1", self.pp_layer_partition)
         if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
             raise _bad(
                 "distributed_executor_backend",

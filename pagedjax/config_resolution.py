@@ -43,7 +43,7 @@ def resolve_engine_config(args) -> EngineConfig:
     import jax
 
     from pagedjax.models import loader, quant_loader
-    from pagedjax.sharding import distributed
+    from pagedjax.sharding import distributed, stages
 
     distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
 
@@ -64,11 +64,12 @@ def resolve_engine_config(args) -> EngineConfig:
     source = loader.resolve_model_source(args.model)
     quantization = quant_loader.resolve_quantization(args.quantization, source)
     arch = loader.load_arch_config(source)
-    if arch.num_hidden_layers % args.pipeline_parallel_size:
-        raise ValueError(
-            f"pipeline_parallel_size ({args.pipeline_parallel_size}) must divide the "
-            f"model's {arch.num_hidden_layers} layers"
-        )
+    pp_partition = stages.parse_layer_partition(args.pp_layer_partition)
+    stage_sizes = stages.stage_partition(
+        arch.num_hidden_layers, args.pipeline_parallel_size, args.pp_layer_partition
+    )
+    if args.pipeline_parallel_size > 1 and len(set(stage_sizes)) > 1:
+        logger.info("pipeline stages of uneven size: %s layers", list(stage_sizes))
     arch = _expert_parallel_arch(arch, args)
     on_cpu = jax.default_backend() == "cpu"
     dtype = args.dtype
@@ -162,6 +163,7 @@ def resolve_engine_config(args) -> EngineConfig:
         parallel_config=ParallelConfig(
             tensor_parallel_size=args.tensor_parallel_size,
             pipeline_parallel_size=args.pipeline_parallel_size,
+            pp_layer_partition=pp_partition,
             data_parallel_size=args.data_parallel_size,
             enable_expert_parallel=args.enable_expert_parallel,
             distributed_executor_backend=args.distributed_executor_backend,

@@ -81,6 +81,12 @@ class EngineArgs:
     preemption_mode: str = _field("recompute", "What preemption does.", choices=PREEMPTION_MODES)
     tensor_parallel_size: int = _field(1, "Tensor-parallel size.")
     pipeline_parallel_size: int = _field(1, "Pipeline-parallel size.")
+    pp_layer_partition: str | None = _field(
+        None,
+        "Decoder layers of each pipeline stage, comma-separated (e.g. '16,14'; vLLM's "
+        "VLLM_PP_LAYER_PARTITION); default: an even split, the remainder on the stages "
+        "before the last.",
+    )
     data_parallel_size: int = _field(1, "Data-parallel size.")
     enable_expert_parallel: bool = _field(
         False,

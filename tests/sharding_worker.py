@@ -4,9 +4,10 @@ subprocess, because XLA_FLAGS must be set before jax is imported.
 
 Usage: sharding_worker.py FOLDER CACHE_DIR LAYOUTS [MODELS]: each of the comma-separated
 MODELS (keys of `MODELS`, default "llama") is written to FOLDER/<model> and run under each of
-the comma-separated LAYOUTS; the report is {model: {layout: ...}}, and for a model with a
-sliding window also {model: {"hf": HF's greedy tokens, "hf_full": the same weights' without
-the window}}."""
+the comma-separated LAYOUTS (or under its own, "model=layout+layout"); the report is
+{model: {layout: ...}}, and for a model with a sliding window also {model: {"hf": HF's
+greedy tokens, "hf_full": the same weights' without the window}}. The model "smollm2" is
+the real default model (not written)."""
 
 from __future__ import annotations
 
@@ -29,8 +30,11 @@ LAYOUTS = {
     "dp2-tp2": {"data_parallel_size": 2, "tensor_parallel_size": 2},
     "pp2": {"pipeline_parallel_size": 2},
     "pp2-tp2": {"pipeline_parallel_size": 2, "tensor_parallel_size": 2},
+    "pp4": {"pipeline_parallel_size": 4},
+    "pp2-part12": {"pipeline_parallel_size": 2, "pp_layer_partition": "1,2"},
     "int8": {"quantization": "int8"},
     "tp2-int8": {"quantization": "int8", "tensor_parallel_size": 2},
+    "pp2-int8": {"quantization": "int8", "pipeline_parallel_size": 2},
     "ep2": {"tensor_parallel_size": 2, "enable_expert_parallel": True},
     "ep4": {"tensor_parallel_size": 4, "enable_expert_parallel": True},
     "ep2-pp2": {
@@ -55,10 +59,32 @@ MODELS = {
         num_hidden_layers=4,
         layer_types=["sliding_attention"] * 3 + ["full_attention"],
     ),
+    "smollm2": None,  # the real default model (30 layers), not written: LLM(model=None)
+    # layer counts no stage count divides (uneven pipeline stages, `sharding.stages`)
+    "llama-l3": dict(num_hidden_layers=3),
+    "llama-l5": dict(num_hidden_layers=5),
+    "llama-l6": dict(num_hidden_layers=6),
+    # local, global, local: split [1, 2] by a user partition, stage 1 starts at layer 1 (not
+    # at 1 x its 2 rows), so a wrong layer offset gives layer 1 a window and the local RoPE
+    "gemma3-l3": dict(
+        arch="gemma3",
+        num_hidden_layers=3,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+    ),
     # mixtures of experts: 8 experts, top-2; Qwen3-MoE with a dense layer (mlp_only_layers)
     "mixtral": dict(arch="mixtral", num_local_experts=8, num_experts_per_tok=2),
     "qwen3_moe": dict(
         arch="qwen3_moe",
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+        mlp_only_layers=[1],
+    ),
+    # 3 layers: uneven stages under PP=2 (2 + 1); layer 1 dense
+    "qwen3_moe-l3": dict(
+        arch="qwen3_moe",
+        num_hidden_layers=3,
         num_experts=8,
         num_experts_per_tok=2,
         moe_intermediate_size=32,
@@ -147,7 +173,7 @@ def run_model(folder: Path, cache_dir: str, layouts: list[str], prompts) -> dict
     report = {}
     for name in layouts:
         llm = LLM(
-            str(folder),
+            None if folder is None else str(folder),
             dtype="float32",
             max_model_len=128,
             max_num_batched_tokens=16,  # one bucket: prompts are chunked
@@ -166,6 +192,8 @@ def run_model(folder: Path, cache_dir: str, layouts: list[str], prompts) -> dict
             "replicas": [
                 {
                     "devices": r.layout["devices"],
+                    "stage_layers": r.layout["stage_layers"],
+                    "kv_bytes": r.layout["kv_cache_bytes_per_device"],
                     "params": shard_shapes(r.runner.params),
                     "kv": shard_shapes(r.runner.kv_cache),
                     "free_blocks": r.kv_cache_manager.pool.num_free_blocks,
@@ -186,9 +214,10 @@ def main(folder: str, cache_dir: str, layouts: list[str], models: list[str]) -> 
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 259, size=n).tolist() for n in (1, 7, 33, 60, 90)]
     report = {}
-    for model in models:
-        model_dir = Path(folder) / model
-        if not (model_dir / "config.json").exists():
+    for spec in models:
+        model, _, own = spec.partition("=")
+        model_dir = None if MODELS[model] is None else Path(folder) / model
+        if model_dir is not None and not (model_dir / "config.json").exists():
             kw = dict(MODELS[model])
             if kw.get("arch", "").startswith("gemma"):
                 from test_gemma import make_gemma_checkpoint
@@ -196,8 +225,8 @@ def main(folder: str, cache_dir: str, layouts: list[str], models: list[str]) -> 
                 make_gemma_checkpoint(model_dir, **kw)
             else:
                 conftest.make_checkpoint(model_dir, **kw)
-        report[model] = run_model(model_dir, cache_dir, layouts, prompts)
-        if MODELS[model].get("sliding_window"):
+        report[model] = run_model(model_dir, cache_dir, own.split("+") if own else layouts, prompts)
+        if (MODELS[model] or {}).get("sliding_window"):
             report[model].update(hf_window_report(model_dir, prompts))
     print("REPORT " + json.dumps(report))
 

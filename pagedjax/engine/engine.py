@@ -124,12 +124,15 @@ class LLMEngine:
         self.last_step_timing: StepTiming | None = None  # see `StepTiming`
 
     def _log_layout(self) -> None:
-        """Mesh shape and the bytes of params and KV cache on each device."""
+        """Mesh shape, the layers of each pipeline stage, and the bytes of params and KV cache
+        on each device."""
         self.layout = self.runner.layout()
         mc = self.config.model_config
         logger.info(
-            "layout: mesh %s; per device: params %s MiB, KV cache %s MiB; attention %s, linear %s",
+            "layout: mesh %s, stage layers %s; per device: params %s MiB, KV cache %s MiB; "
+            "attention %s, linear %s",
             self.layout["mesh"],
+            self.layout.get("stage_layers"),
             {d: round(b / 2**20, 1) for d, b in self.layout["param_bytes_per_device"].items()},
             {d: round(b / 2**20, 1) for d, b in self.layout["kv_cache_bytes_per_device"].items()},
             mc.attention_backend,

@@ -4,6 +4,11 @@
 `ShardingPlan` from the model's logical axes (`models.registry`), and places every weight on
 its devices once, as it is read (`models.loader.load_params` with the plan's shardings). With
 `linear_backend="cpu"` the float32 linear weights are then pre-packed for the native matmul.
+
+Pipeline stages of unequal size (`sharding.stages`): the stacks are read as the model's L
+rows (whole on every stage where P does not divide L), then padded to the stage layout and
+split over the stages one stacked weight at a time (`sharding.pipeline.pad_stage_params`);
+while loading, a stage may thus hold every layer's weights.
 """
 
 from __future__ import annotations
@@ -18,7 +23,9 @@ from pagedjax.config import EngineConfig
 from pagedjax.models import loader, registry
 from pagedjax.ops import cpu_linear
 from pagedjax.sharding.mesh import device_grid, replica_mesh
+from pagedjax.sharding.pipeline import pad_stage_params
 from pagedjax.sharding.rules import ShardingPlan
+from pagedjax.sharding.stages import StageLayout
 
 
 @dataclasses.dataclass
@@ -63,16 +70,33 @@ def load_model(config: EngineConfig, devices=None) -> LoadedModel:
             0
         ]
     model = registry.get_model(mc.arch.architecture)
-    plan = ShardingPlan(replica_mesh(devices), model.logical_unit_counts(mc.arch))
+    mesh = replica_mesh(devices)
+    stages = stage_layout(config)
+    counts = model.logical_unit_counts(mc.arch)
+    plan = ShardingPlan(mesh, {**counts, "layers": stages.padded_num_layers})
+    read_plan = plan if stages.is_even else ShardingPlan(mesh, counts)  # [L, ...] stacks
     logical = model.param_logical_axes(mc.arch)
     params = loader.load_params(
         source,
         mc.arch,
         mc.dtype,
-        sharding_for=plan.sharding_for(logical),
+        sharding_for=read_plan.sharding_for(logical),
         quantization=mc.quantization,
         kv_cache_dtype=cc.kv_cache_dtype,
     )
+    if not stages.is_even:
+        params = pad_stage_params(params, stages, plan.sharding_for(logical))
     if mc.linear_backend == "cpu":  # the native matmul's panel layout, packed once
         params = cpu_linear.pack_params(params)
     return LoadedModel(tokenizer, plan, params, time.perf_counter() - t0)
+
+
+def stage_layout(config: EngineConfig) -> StageLayout:
+    """The layers of each pipeline stage of `config` (one stage without pipeline
+    parallelism)."""
+    pc = config.parallel_config
+    return StageLayout.make(
+        config.model_config.arch.num_hidden_layers,
+        pc.pipeline_parallel_size,
+        pc.pp_layer_partition,
+    )

@@ -33,6 +33,7 @@ from pagedjax.engine.interface import (
 )
 from pagedjax.executor import step as step_fn
 from pagedjax.executor.input_batch import BatchBuilder, SeqInput
+from pagedjax.executor.model_loading import stage_layout
 from pagedjax.executor.request_state import RequestState, bias_row
 from pagedjax.ops.kv_cache import (
     KVCache,
@@ -101,6 +102,10 @@ class ModelRunner:
         )
         pp = config.parallel_config.pipeline_parallel_size
         self.num_microbatches = pp if pp > 1 else 0  # one micro-batch per stage
+        self.stages = stage_layout(config)
+        # Layer rows of the KV cache: L, or P x the largest stage for uneven stages (the
+        # smaller stages' padding rows are allocated, never written).
+        self.num_cache_layers = self.stages.padded_num_layers
         self._jit_step = jax.jit(
             step_fn.step,
             static_argnames=(
@@ -112,6 +117,7 @@ class ModelRunner:
                 "max_logprobs",
                 "mesh",
                 "num_microbatches",
+                "stages",
             ),
             donate_argnames=("kv_cache", "sampling_state"),
         )
@@ -121,6 +127,7 @@ class ModelRunner:
             tile=QUERY_TILE_SIZE,
             chunk_pages=chunk_pages,
             max_logprobs=self.max_logprobs,
+            stages=self.stages if pp > 1 else None,
         )
         self.num_blocks = 0
         self.kv_cache: KVCache | None = None
@@ -137,9 +144,10 @@ class ModelRunner:
     # ----------------------------------------------------------------- memory
 
     def bytes_per_block(self) -> int:
+        """KV bytes of one block over all the cache's layer rows (`num_cache_layers`)."""
         a = self.arch
         return kv_cache_bytes_per_block(
-            a.num_hidden_layers, self.block_size, a.num_key_value_heads, a.head_dim, self.kv_dtype
+            self.num_cache_layers, self.block_size, a.num_key_value_heads, a.head_dim, self.kv_dtype
         )
 
     def weight_bytes(self) -> int:
@@ -205,7 +213,7 @@ class ModelRunner:
         """Temporary bytes of the largest bucket's step, from XLA's memory analysis."""
         a = self.arch
         shape = kv_cache_shape(
-            a.num_hidden_layers, 2, self.block_size, a.num_key_value_heads, a.head_dim
+            self.num_cache_layers, 2, self.block_size, a.num_key_value_heads, a.head_dim
         )
         kv_spec = (jax.ShapeDtypeStruct(shape, self.kv_dtype, sharding=self.plan.kv_cache()),) * 2
         compiled = self._lower_step(self.builder.buckets[-1], kv_spec).compile()
@@ -217,12 +225,12 @@ class ModelRunner:
         a = self.arch
         self.num_blocks = num_blocks
         shape = kv_cache_shape(
-            a.num_hidden_layers, num_blocks, self.block_size, a.num_key_value_heads, a.head_dim
+            self.num_cache_layers, num_blocks, self.block_size, a.num_key_value_heads, a.head_dim
         )
         self.kv_cache = init_kv_cache(shape, self.kv_dtype, self.plan.kv_cache())
         self.num_host_blocks = num_host_blocks
         if num_host_blocks:
-            host_shape = (2, a.num_hidden_layers, num_host_blocks + 1, *shape[2:])
+            host_shape = (2, self.num_cache_layers, num_host_blocks + 1, *shape[2:])
             self.host_cache = np.zeros(host_shape, self.kv_dtype)
 
     @property
@@ -231,12 +239,13 @@ class ModelRunner:
         return self.plan.mesh.devices.flat[0].platform
 
     def layout(self) -> dict[str, Any]:
-        """The mesh shape, its devices, and the bytes of params and KV cache on each device
-        (device id as a string)."""
+        """The mesh shape, its devices, the decoder layers of each pipeline stage, and the
+        bytes of params and KV cache on each device (device id as a string)."""
         mesh = self.plan.mesh
         return {
             "mesh": dict(mesh.shape),
             "devices": [str(d) for d in mesh.devices.flat],
+            "stage_layers": list(self.stages.sizes),
             "param_bytes_per_device": per_device_bytes(self.params),
             "kv_cache_bytes_per_device": per_device_bytes(self.kv_cache),
         }

@@ -65,6 +65,7 @@ def step(
     max_logprobs: int,
     mesh=None,
     num_microbatches: int = 0,
+    stages=None,
 ):
     """One engine step: the model over the flat batch, logits of each sequence's last token,
     the sampler, and (when asked) prompt logprobs.
@@ -72,8 +73,10 @@ def step(
     With `num_microbatches` M > 0 (pipeline parallelism), `packed` is [M, layout.size], one
     micro-batch per row, run through `sharding.pipeline.pipeline_decoder` on `mesh`; the
     sampler then sees the M x S rows of all micro-batches, and prompt logprobs the M x T
-    tokens, in micro-batch order. Without it, `mesh` (or None) is the context mesh of the
-    model (expert parallelism reads it). The model is the registry's for `cfg.architecture`.
+    tokens, in micro-batch order; `stages` (a `sharding.stages.StageLayout`, or None for an
+    even split) says which layers each stage runs. Without pipeline parallelism, `mesh` (or
+    None) is the context mesh of the model (expert parallelism reads it). The model is the
+    registry's for `cfg.architecture`.
     """
     model = registry.get_model(cfg.architecture)
     if num_microbatches:
@@ -90,6 +93,7 @@ def step(
             attention_backend=backend,
             tile=tile,
             chunk_pages=chunk_pages,
+            stages=stages,
         )
         hidden = model.final_norm(params, h, cfg)  # [M, Tm, D]
         rows = jnp.concatenate([hidden[m][a["logits_indices"]] for m, a in enumerate(parts)])

@@ -306,6 +306,12 @@ def layer_window_fn(
     return lambda layer_idx: table[layer_offset + layer_idx]
 
 
+# The key of an optional [Ls] bool entry of a stack of layers: True for its real layers (a
+# prefix), False for the padding rows of a pipeline stage smaller than the largest one
+# (`sharding.stages`). `scan_layers` runs the real layers only.
+REAL_LAYERS = "real_layers"
+
+
 def scan_layers(
     layers: Mapping[str, Any], kv_cache: KVCache, h: jax.Array, layer_fn: LayerFn
 ) -> tuple[jax.Array, KVCache]:
@@ -313,13 +319,30 @@ def scan_layers(
     weights `layers` stacks on a leading axis (all L, or one pipeline stage's), by
     `jax.lax.scan`; `w` is layer i's weights, pre-packed stacks read in place as
     `ops.linear.LayerView`s (`ops.linear.split_layers`), and layer i of `layers` reads and
-    writes layer i of `kv_cache`."""
+    writes layer i of `kv_cache`.
+
+    A stack with a `REAL_LAYERS` mask [Ls] (a pipeline stage padded to the largest stage)
+    runs only its first sum(mask) layers, by a loop of that many (traced) steps: the padding
+    rows are never read and cost nothing."""
+    layers = dict(layers)
+    real = layers.pop(REAL_LAYERS, None)
     sliced, in_place = split_layers(layers)
 
+    def run(layer_idx, w_slice, h, kv):
+        return layer_fn(layer_weights(w_slice, in_place, layer_idx), h, kv, layer_idx)
+
+    if real is not None:
+
+        def step(i, carry):
+            w_slice = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, 0, False), sliced)
+            return run(i, w_slice, *carry)
+
+        num_real = jnp.sum(real.astype(jnp.int32))
+        return jax.lax.fori_loop(0, num_real, step, (h, kv_cache))
+
     def body(carry, xs):
-        h, kv = carry
         w_slice, layer_idx = xs
-        return layer_fn(layer_weights(w_slice, in_place, layer_idx), h, kv, layer_idx), None
+        return run(layer_idx, w_slice, *carry), None
 
     num_layers = jax.tree.leaves(sliced)[0].shape[0]
     layer_ids = jnp.arange(num_layers, dtype=jnp.int32)
