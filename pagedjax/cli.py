@@ -127,6 +127,7 @@ BENCHMARKS = {
     "kernels": "kernels",
     "quality": "quality",
     "many-prompts": "many_prompts",
+    "moe": "moe",
 }
 
 
