@@ -262,6 +262,26 @@ def test_flops_follow_top_k_not_the_number_of_experts():
     assert need <= f8 <= 1.7 * need, (f8, need)
 
 
+def test_packed_experts_native_matmul(moe_dirs):
+    """linear_backend="cpu": expert stacks packed for the native matmul ([L, E, P, D, 16]
+    panels) give the float logits: one-token steps through the native kernel (each tile's
+    expert read in place), a 45-token chunk through the unpacked XLA path."""
+    from pagedjax.ops import cpu_kernels, cpu_linear
+
+    if not cpu_kernels.available():
+        pytest.skip(cpu_kernels.unavailable_reason())
+    folder = moe_dirs("mixtral")
+    cfg, params = _load(folder)
+    packed = cpu_linear.pack_params(params)
+    assert isinstance(packed["layers"]["experts_gate"], cpu_linear.PackedWeight)
+    assert packed["layers"]["experts_gate"].shape == (2, 8, 64, 128)
+    ids = np.random.default_rng(7).integers(3, 259, size=52).tolist()
+    chunks = [ids[:45], *([t] for t in ids[45:52])]
+    want = forward_chunks(params, cfg, chunks, "reference")
+    got = forward_chunks(packed, cfg, chunks, "reference")
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+
+
 # ----------------------------------------------------------------------------- quantization
 
 
