@@ -58,6 +58,7 @@ def start_server(ns) -> tuple[subprocess.Popen, str, float]:
         cmd.append(ns.model)
     if ns.max_num_seqs:
         cmd += ["--max-num-seqs", str(ns.max_num_seqs)]
+    cmd += getattr(ns, "extra_server_args", [])  # flags of a benchmark's own
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=ROOT)
     url = f"http://127.0.0.1:{port}"

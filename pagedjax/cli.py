@@ -127,6 +127,7 @@ BENCHMARKS = {
     "kernels": "kernels",
     "quality": "quality",
     "many-prompts": "many_prompts",
+    "structured-outputs": "structured_outputs_quality",
     "moe": "moe",
 }
 

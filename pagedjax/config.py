@@ -20,6 +20,7 @@ ALLOWED_BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", *choices.ATTENTION_BACKENDS)
 LINEAR_BACKENDS = ("auto", *choices.LINEAR_BACKENDS)
+CPU_KERNEL_ISAS = ("auto", *choices.CPU_KERNEL_ISAS)
 # vLLM's names; "fp8" is float8_e4m3fn (as on CUDA), see `ops.choices`.
 KV_CACHE_DTYPES = ("auto", *choices.FP8_KV_CACHE_DTYPES)
 # vLLM's names (awq_marlin / gptq_marlin read the same files as awq / gptq), see `ops.choices`.
@@ -55,11 +56,14 @@ class ModelConfig:
         attention_backend: "xla" | "cpu" | "reference" | "pallas".
         linear_backend: "xla" | "cpu" ("cpu": float32 linear weights and LM head pre-packed
             for the native CPU matmul, `ops.cpu_linear.pack_params`).
+        cpu_kernel_isa: the native CPU kernels' ISA path, "avx512" | "avx2" | "portable"
+            (`ops.cpu_kernels`; the engine resolves "auto" to the widest the CPU runs).
         max_logprobs: the most logprobs / prompt_logprobs a request may ask for.
         download_dir: where conversions are cached.
         quantization: None (float weights), "int8" | "w8a8" | "fp8" (float weights quantized
             on load, or an fp8 checkpoint), "awq" | "gptq" (4-bit checkpoints), or "gguf" (a
-            GGUF file, dequantized on load).
+            GGUF file with its quantized tensors kept in their blocks; a GGUF file with None
+            is dequantized on load).
     """
 
     model: str
@@ -77,6 +81,7 @@ class ModelConfig:
     download_dir: str | None = None
     quantization: str | None = None
     linear_backend: str = "xla"
+    cpu_kernel_isa: str = "auto"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,6 +32,20 @@ from pagedjax.paths import cache_root
 logger = logging.getLogger(__name__)
 
 
+def _gguf_quantization(quantization, source, dtype_arg: str, one_device: bool):
+    """A GGUF file keeps its quantized blocks ("gguf") by default; an explicit `dtype`
+    without `quantization` dequantizes it on load (the exactness baseline), and so does a
+    replica of more than one device (GGUF blocks are not sharded)."""
+    if source.kind != "gguf":
+        return quantization
+    if quantization is None and dtype_arg == "auto":
+        quantization = "gguf"
+    if quantization == "gguf" and not one_device:
+        logger.warning("GGUF weights are dequantized on load: a replica of several devices")
+        return None
+    return quantization
+
+
 def resolve_engine_config(args) -> EngineConfig:
     """Validates engine arguments (an `engine_args.EngineArgs`) and resolves defaults against
     the checkpoint and device.
@@ -78,6 +92,10 @@ def resolve_engine_config(args) -> EngineConfig:
         if dtype not in DTYPES:
             logger.warning("checkpoint dtype %s is not supported; using float32", dtype)
             dtype = "float32"
+    one_device = args.tensor_parallel_size * args.pipeline_parallel_size == 1 and (
+        args.data_parallel_size == 1 and args.num_processes == 1
+    )
+    quantization = _gguf_quantization(quantization, source, args.dtype, one_device)
     max_model_len = args.max_model_len or arch.max_position_embeddings
     if max_model_len > arch.max_position_embeddings:
         raise ValueError(
@@ -85,11 +103,10 @@ def resolve_engine_config(args) -> EngineConfig:
             f"max_position_embeddings ({arch.max_position_embeddings})"
         )
     backend = args.attention_backend
-    one_device = args.tensor_parallel_size * args.pipeline_parallel_size == 1 and (
-        args.data_parallel_size == 1 and args.num_processes == 1
-    )
     from pagedjax.ops import cpu_kernels
 
+    # Raises a ValueError naming cpu_kernel_isa for an unknown path or one the CPU lacks.
+    cpu_kernel_isa = cpu_kernels.set_default_isa(args.cpu_kernel_isa)
     if backend == "cpu":
         _check_native("attention_backend", on_cpu and one_device)
     if backend == "auto":
@@ -133,6 +150,7 @@ def resolve_engine_config(args) -> EngineConfig:
         attention_backend=backend,
         max_logprobs=args.max_logprobs,
         linear_backend=linear_backend,
+        cpu_kernel_isa=cpu_kernel_isa,
         download_dir=args.download_dir,
         quantization=quantization,
     )

@@ -15,6 +15,7 @@ from typing import Any
 from pagedjax.config import (
     ALLOWED_BLOCK_SIZES,
     ATTENTION_BACKENDS,
+    CPU_KERNEL_ISAS,
     DTYPES,
     EXECUTOR_BACKENDS,
     KV_CACHE_DTYPES,
@@ -73,7 +74,9 @@ class EngineArgs:
     quantization: str | None = _field(
         None,
         "Weight quantization: int8 (weight-only), w8a8, fp8 (quantized on load), awq, gptq "
-        "(4-bit checkpoints); default: the checkpoint's quantization_config.",
+        "(4-bit checkpoints), gguf (a GGUF file's blocks kept quantized); default: the "
+        "checkpoint's quantization_config, and for a GGUF file gguf unless dtype is given (then "
+        "dequantized to it).",
         choices=QUANTIZATION_METHODS,
     )
     enable_chunked_prefill: bool = _field(True, "Prefill long prompts over several steps.")
@@ -114,6 +117,12 @@ class EngineArgs:
         "Linear-layer implementation ('auto': 'cpu', pre-packed float32 weights and LM head "
         "through the native matmul, on one CPU device when the C++ kernels build, else 'xla').",
         choices=LINEAR_BACKENDS,
+    )
+    cpu_kernel_isa: str = _field(
+        "auto",
+        "ISA path of the native CPU kernels ('auto': the widest the CPU runs, avx512 > avx2 > "
+        "portable; a narrower one may be forced, one build of the kernels per path).",
+        choices=CPU_KERNEL_ISAS,
     )
     max_logprobs: int = _field(20, "Most logprobs / prompt_logprobs a request may ask for.")
     download_dir: str | None = _field(

@@ -24,8 +24,10 @@ class CompletionOutput:
         token_ids: the generated token ids.
         cumulative_logprob: sum of the sampled tokens' logprobs (None if not computed).
         logprobs: per output token, token id -> Logprob (None unless asked for).
-        finish_reason: "stop", "length", "abort", or None while running.
-        stop_reason: the stop string or stop token id that ended it, else None.
+        finish_reason: "stop", "length", "abort", "error" (its structured-output grammar did
+            not compile, or rejected a token), or None while running.
+        stop_reason: the stop string or stop token id that ended it, the error's message for
+            finish_reason "error", else None.
     """
 
     index: int

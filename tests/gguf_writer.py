@@ -34,11 +34,13 @@ def llama_cpp_permute(w, n_head):
     return out
 
 
-def write_gguf(path, hf_dir, quantize_ffn=False, arch=None, extra_tensors=None):
+def write_gguf(path, hf_dir, quantize_ffn=False, arch=None, extra_tensors=None, quantize=None):
     """Writes the tiny HF checkpoint in `hf_dir` as a GGUF file at `path`.
 
     Args:
         quantize_ffn: store each layer's `ffn_up` as Q8_0.
+        quantize: None, or fn(gguf tensor name) -> a block format name ("Q4_1", ...) or None:
+            2-D tensors are stored quantized with the `gguf` package's quantizer.
         arch: the GGUF architecture to name (default: the converter's for the model_type).
         extra_tensors: {name: float32 array} written as well (tensors a file may carry).
     """
@@ -69,7 +71,11 @@ def write_gguf(path, hf_dir, quantize_ffn=False, arch=None, extra_tensors=None):
             t = llama_cpp_permute(t, cfg["num_key_value_heads"])
         elif model_arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
             t = t + np.float32(1)  # Gemma's (1 + w), in the tensor's dtype
-        if quantize_ffn and gg.endswith("ffn_up.weight"):
+        fmt = quantize(gg) if quantize and t.ndim == 2 else None
+        if fmt:
+            kind = gguf.GGMLQuantizationType[fmt]
+            w.add_tensor(gg, gguf.quants.quantize(t, kind), raw_dtype=kind)
+        elif quantize_ffn and gg.endswith("ffn_up.weight"):
             q = gguf.quants.quantize(t, gguf.GGMLQuantizationType.Q8_0)
             w.add_tensor(gg, q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
         else:

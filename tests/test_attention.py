@@ -324,15 +324,19 @@ def test_decode_rows_in_blocks_or_whole_match_reference(contexts):
         (24, "float32", 20, 50.0),
         (64, "float8_e4m3fn", 33, None),
         (32, "float8_e5m2", None, 30.0),
+        (16, "float8_e4m3fn", None, None),  # one 16-float vector (AVX-512), two, four
+        (80, "float32", None, None),  # 5 AVX-512 vectors, 10 AVX2 ones
     ],
 )
-def test_native_kernel_matches_numpy(head_dim, dtype, window, cap):
+@pytest.mark.parametrize("isa", cpu_kernels.runnable_isas())
+def test_native_kernel_matches_numpy(head_dim, dtype, window, cap, isa):
     """`cpu_attention.paged_attention` against a dense NumPy softmax: register-tiled head dims
     (64, 32) and the generic loop (24); float32, bfloat16 and float8 caches (with scales);
     scattered blocks; decode rows (one ending mid-block, a one-token context), a prefill chunk
     after a cached prefix that spans two query tiles, a padding sequence and padding tokens;
     sliding windows (shorter than a block, across blocks) and logit soft-caps (the kernel's
-    vectorised tanh on both sides of its branch at |x| = 0.625, and its scalar tail)."""
+    vectorised tanh on both sides of its branch at |x| = 0.625, and its scalar tail). Every
+    ISA path this CPU runs, forced."""
     rng = np.random.default_rng(head_dim)
     L, NB, BS, K, G, B = 3, 48, 16, 2, 3, 8
     lens = np.array([37, 1, 64, 0, 100], np.int32)
@@ -367,6 +371,7 @@ def test_native_kernel_matches_numpy(head_dim, dtype, window, cap):
                 v_scale=v_scale,
                 sliding_window=window,
                 logit_soft_cap=cap,
+                isa=isa,
             )
         )(
             jnp.asarray(q),
@@ -392,6 +397,39 @@ def test_native_kernel_matches_numpy(head_dim, dtype, window, cap):
                 p = np.exp(sc - sc.max())
                 want = (p / p.sum()) @ vs[:, h // G]
                 np.testing.assert_allclose(got[qsl[s] + i, h], want, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("isa", cpu_kernels.runnable_isas())
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2"])
+def test_native_kernel_reads_every_float8_byte_exactly(dtype, isa):
+    """A one-token context gives out = v_scale * V[pos 0] exactly (softmax weight 1): one V
+    row holding all 256 byte values (4 KV heads x 64) comes back as ml_dtypes' float32 value
+    of each byte, subnormals included, on every ISA path (the kernel's
+    in-register float8 -> float32 conversion). Inf / NaN bytes are left out: a quantized
+    cache is saturated to finite values."""
+    fp8 = jnp.dtype(dtype)
+    data = np.arange(256, dtype=np.uint8).view(fp8)
+    want = data.astype(np.float32)
+    data = np.where(np.isfinite(want), data, np.zeros((), fp8))  # inf / NaN bytes -> 0
+    want = data.astype(np.float32).reshape(4, 64)
+    v = np.zeros((1, 2, 1, 4, 64), fp8)
+    v[0, 1, 0] = data.reshape(4, 64)
+    k = np.zeros((1, 2, 1, 4, 64), fp8)
+    q = np.ones((1, 4, 64), np.float32)
+    one = jnp.ones((1,), jnp.int32)
+    got = cpu_attention.paged_attention(
+        jnp.asarray(q),
+        jnp.asarray(k),
+        jnp.asarray(v),
+        0,
+        one,
+        jnp.asarray([0, 1], jnp.int32),
+        one.reshape(1, 1),
+        sm_scale=1.0,
+        v_scale=2.0,
+        isa=isa,
+    )
+    np.testing.assert_array_equal(np.asarray(got)[0], 2.0 * want)
 
 
 def test_native_kernel_reports_a_failed_build(monkeypatch, tmp_path):

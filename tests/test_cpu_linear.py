@@ -4,6 +4,8 @@ tests/test_model.py checks against Hugging Face) and `linear_backend`'s resoluti
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,7 +14,7 @@ import pytest
 from pagedjax.engine_args import EngineArgs
 from pagedjax.executor.input_batch import BatchBuilder, SeqInput
 from pagedjax.models import llama, loader
-from pagedjax.ops import cpu_linear, linear
+from pagedjax.ops import cpu_kernels, cpu_linear, linear
 from pagedjax.ops.attention import AttentionMetadata
 from pagedjax.ops.kv_cache import init_kv_cache, kv_cache_shape
 from pagedjax.ops.quant import LINEAR_WEIGHTS, quantize_params
@@ -26,20 +28,52 @@ from pagedjax.ops.quant import LINEAR_WEIGHTS, quantize_params
         (13, 576, 192),  # two full 6-row blocks and a 1-row tail; narrow work items
         (64, 600, 1536),  # a decode step's MLP shape; three K slices accumulate
         (7, 64, 1000),  # many work items, the last one partial
+        (30, 520, 48),  # AVX-512's 12-row blocks and a 6-row tail; an odd panel count
+        (97, 256, 96),  # rows past one 96-row pass (MC) of the AVX-512 and AVX2 paths
     ],
 )
-def test_matmul_matches_numpy(M, K, N):
+@pytest.mark.parametrize("isa", cpu_kernels.runnable_isas())
+def test_matmul_matches_numpy(M, K, N, isa):
+    """Every ISA path this CPU runs (forced), against float64 NumPy."""
     rng = np.random.default_rng(M * K + N)
     L = 3
     w = rng.standard_normal((L, K, N)).astype(np.float32)
     x = rng.standard_normal((M, K)).astype(np.float32)
     weight = cpu_linear.pack(jnp.asarray(w))
-    f = jax.jit(cpu_linear.matmul)
+    f = jax.jit(functools.partial(cpu_linear.matmul, isa=isa))
     for i in range(L):
         got = np.asarray(f(x, weight, i))
         want = x.astype(np.float64) @ w[i].astype(np.float64)
         assert got.shape == (M, N) and got.dtype == np.float32
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.sqrt(K))
+
+
+@pytest.mark.parametrize("isa", cpu_kernels.runnable_isas())
+def test_matmul_row_is_independent_of_the_other_rows(isa):
+    """Batch invariance of the kernel: each row's result is bit-identical whether it is
+    multiplied alone, among 7 or among 40 other rows (every micro-kernel reduces over k in
+    the same order)."""
+    rng = np.random.default_rng(7)
+    w = cpu_linear.pack(jnp.asarray(rng.standard_normal((1, 700, 80)).astype(np.float32)))
+    x = rng.standard_normal((41, 700)).astype(np.float32)
+    f = jax.jit(functools.partial(cpu_linear.matmul, isa=isa))
+    whole = np.asarray(f(x, w, 0))
+    for rows in ([5], [3, 4, 5, 6, 7, 8, 9, 10], list(range(41))[::-1]):
+        got = np.asarray(f(x[rows], w, 0))
+        for i, r in enumerate(rows):
+            assert np.array_equal(got[i], whole[r]), (rows, r)
+
+
+def test_isa_setting_resolution():
+    """"auto" is the widest path the CPU runs; a wider one or an unknown name is refused."""
+    assert cpu_kernels.resolve_isa("auto") == cpu_kernels.runnable_isas()[0]
+    assert cpu_kernels.resolve_isa("portable") == "portable"
+    with pytest.raises(ValueError, match="cpu_kernel_isa must be one of"):
+        cpu_kernels.resolve_isa("sse9")
+    missing = [i for i in cpu_kernels.ISAS if i not in cpu_kernels.runnable_isas()]
+    for isa in missing:
+        with pytest.raises(ValueError, match="needs the CPU flags"):
+            cpu_kernels.resolve_isa(isa)
 
 
 @pytest.mark.parametrize("num_rows", [0, 1, 7, 13, 20])
@@ -227,3 +261,21 @@ def test_linear_backend_resolution(tiny_llama_dir):
         args.create_engine_config()
     with pytest.raises(ValueError, match="linear_backend"):
         EngineArgs(model=str(tiny_llama_dir), linear_backend="gguf").create_engine_config()
+
+
+def test_cpu_kernel_isa_setting(tiny_llama_dir):
+    """`cpu_kernel_isa` "auto" resolves to the widest path the CPU runs; a forced narrower
+    path is kept and becomes the process's path; an unknown one is a ValueError naming the
+    field."""
+    from pagedjax.ops import cpu_kernels
+
+    try:
+        config = EngineArgs(model=str(tiny_llama_dir)).create_engine_config()
+        assert config.model_config.cpu_kernel_isa == cpu_kernels.runnable_isas()[0]
+        args = EngineArgs(model=str(tiny_llama_dir), cpu_kernel_isa="portable")
+        assert args.create_engine_config().model_config.cpu_kernel_isa == "portable"
+        assert cpu_kernels.default_isa() == "portable"
+        with pytest.raises(ValueError, match="cpu_kernel_isa"):
+            EngineArgs(model=str(tiny_llama_dir), cpu_kernel_isa="sse9").create_engine_config()
+    finally:
+        cpu_kernels.set_default_isa("auto")

@@ -33,6 +33,11 @@ C, CHAT = "/v1/completions", "/v1/chat/completions"
 MSG = [{"role": "user", "content": "Hi"}]
 FORM = "application/x-www-form-urlencoded"
 NORMAL = {"model": "tiny", "prompt": "The sky is", "temperature": 0, "max_tokens": 6}
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
+def NAMED(name: str) -> dict:  # noqa: N802
+    return {"type": "function", "function": {"name": name}}
 
 
 def _j(obj) -> str:
@@ -98,8 +103,19 @@ CASES = [
     comp("logit-bias-bad-key", {"prompt": "x", "logit_bias": {"abc": 1}}),
     comp("logit-bias-range", {"prompt": "x", "logit_bias": {"5": 1000}}, param="logit_bias"),
     comp("suffix", {"prompt": "x", "suffix": "y"}),
-    chat("json-format", {"messages": MSG, "response_format": {"type": "json_object"}}),
+    chat(
+        "json-schema-without-schema",
+        {"messages": MSG, "response_format": {"type": "json_schema", "json_schema": {}}},
+        param="response_format",
+    ),
     chat("tool-calls", {"messages": MSG, "tools": [{"type": "function"}]}),
+    # tools without tool_choice mean "auto", which this server was not started to serve
+    chat("auto-tool-choice-off", {"messages": MSG, "tools": [TOOL]}, param="tool_choice"),
+    chat(
+        "tool-choice-unknown-function",
+        {"messages": MSG, "tools": [TOOL], "tool_choice": NAMED("g")},
+        param="tool_choice",
+    ),
     chat("top-logprobs-alone", {"messages": MSG, "top_logprobs": 2}),
     comp("penalty-range", {"prompt": "x", "presence_penalty": 2.5}, param="presence_penalty"),
     comp("logprobs-over-max", {"prompt": "x", "logprobs": 21}),
@@ -375,6 +391,8 @@ FUZZED = ["POST /v1/completions", "POST /v1/chat/completions", "POST /tokenize",
 _REFUSED = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "logit_bias")
 _REFUSED += ("allowed_token_ids", "bad_words", "prompt_logprobs", "logprobs", "top_logprobs")
 _REFUSED += ("stop_token_ids", "min_tokens", "truncate_prompt_tokens")
+# random constraints and tools are mostly refused (no kind set, "auto" tool choice off, ...)
+_REFUSED += ("response_format", "structured_outputs", "tools", "tool_choice")
 
 
 def _reaching_engine(case):

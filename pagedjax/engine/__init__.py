@@ -7,7 +7,9 @@ How a request flows (each file named in the order a request meets it):
    `engine/engine.py`; `engine/factory.py` built that engine (`engine/dp_engine.py` for
    data-parallel replicas, `engine/ray_engine.py` for Ray actors).
 2. `engine/input_processor.py` validates the prompt and `SamplingParams` once (every refusal
-   an `errors.InvalidInputError` naming the field), tokenizes it and truncates it.
+   an `errors.InvalidInputError` naming the field), tokenizes it and truncates it; a
+   `structured_outputs` constraint is checked by `structured_output/grammar.py` and compiled
+   by `structured_output/manager.py` on its thread pool.
 3. `engine/request.py`: one `Request` per output sequence holds all of its state (tokens,
    progress, status, its `engine/detokenizer.py` text) and a frozen
    `engine/interface.RequestSpec` made here once; `engine/forks.py` holds the n > 1 samples
@@ -15,7 +17,8 @@ How a request flows (each file named in the order a request meets it):
 4. Each `LLMEngine.step()`: `engine/scheduler.py` (`Scheduler.schedule`) picks requests and
    token counts under the budget and gets their blocks from `engine/kv_cache_manager.py`
    (prefix cache, copy-on-write, swap pool); it returns an `engine/interface.SchedulerOutput`
-   of ids, counts and specs, no `Request`.
+   of ids, counts and specs, no `Request`, and the token bitmask of the constrained rows
+   (`structured_output/scheduling.py`; requests whose grammar is compiling wait there).
 5. `executor/model_runner.py` (`ModelRunner.execute`) keeps per-request rows
    (`executor/request_state.py`), packs the step (`executor/input_batch.py`) and runs the
    compiled `executor/step.py`: the model from `models/registry.py` (`models/llama.py` over
@@ -24,7 +27,9 @@ How a request flows (each file named in the order a request meets it):
    The model was loaded onto its devices by `executor/model_loading.py`.
 6. `Scheduler.update_from_output` appends each sampled token to its `Request`, grows its
    text, and decides in one place whether it finished (EOS, stop token ids, max_tokens /
-   max_model_len, stop strings); finished requests free their blocks.
+   max_model_len, stop strings, a completed grammar; each constrained request's matcher,
+   `structured_output/request.py`, advances by the token); finished requests free their
+   blocks.
 7. `engine/output_processor.py` gathers logprobs and builds the `outputs.RequestOutput`s of
    the caller's `output_kind`; `engine/metrics.py` and `engine/prometheus.py` record stats.
 

@@ -410,6 +410,9 @@ class AsyncLLM:
         free = sum(p.num_free_blocks for p in pools)
         total.kv_cache_usage = 1.0 - free / usable if usable else 0.0
         self.metrics.record_scheduler_stats(total, free)
+        for r in self._replicas:
+            if getattr(r, "structured_output", None) is not None:
+                self.metrics.record_grammar_timings(*r.structured_output.take_timings())
 
 
 def _at_position(e: ValueError, i: int) -> ValueError:

@@ -10,6 +10,10 @@ A request with n > 1 is fanned out into n child sequences ("{i}_{id}"): the firs
 the prompt, the others fork its blocks (copy-on-write, see `Scheduler`); their outputs are
 gathered into one `RequestOutput` with n `CompletionOutput`s. A child of a seeded request
 draws with seed + i.
+
+A request with `structured_outputs` is validated when added (`InputProcessor`); each of its
+sequences gets its own grammar state from the `StructuredOutputManager` (made on the first
+such request), whose grammar compiles on a worker pool while other requests run.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from pagedjax.executor.model_runner import ModelRunner
 from pagedjax.inputs import PromptType
 from pagedjax.outputs import RequestOutput
 from pagedjax.sampling_params import SamplingParams
+from pagedjax.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +119,14 @@ class LLMEngine:
         self.kv_cache_manager = KVCacheManager(
             num_blocks, cc.block_size, cc.enable_prefix_caching, num_host_blocks
         )
-        self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager)
+        self.structured_output: StructuredOutputManager | None = None
+        if self.tokenizer is not None:
+            self.structured_output = StructuredOutputManager(
+                self.tokenizer, mc.arch.vocab_size, self._eos_token_id()
+            )
+        self.scheduler = Scheduler(
+            config.scheduler_config, self.kv_cache_manager, self.structured_output
+        )
         self.compile_seconds = self.runner.warmup(use_tqdm=use_tqdm)
         self.eos_token_id = self._eos_token_id()
         self._rng = random.Random(mc.seed)
@@ -130,13 +142,14 @@ class LLMEngine:
         mc = self.config.model_config
         logger.info(
             "layout: mesh %s, stage layers %s; per device: params %s MiB, KV cache %s MiB; "
-            "attention %s, linear %s",
+            "attention %s, linear %s; cpu kernels %s",
             self.layout["mesh"],
             self.layout.get("stage_layers"),
             {d: round(b / 2**20, 1) for d, b in self.layout["param_bytes_per_device"].items()},
             {d: round(b / 2**20, 1) for d, b in self.layout["kv_cache_bytes_per_device"].items()},
             mc.attention_backend,
             mc.linear_backend,
+            mc.cpu_kernel_isa,
         )
 
     @classmethod
@@ -212,6 +225,11 @@ class LLMEngine:
                     bad_words_token_ids=inp.bad_words_token_ids,
                     detokenizer=IncrementalDetokenizer(
                         self.tokenizer, inp.prompt_token_ids, params
+                    ),
+                    structured_output=(
+                        None
+                        if params.structured_outputs is None
+                        else self.structured_output.new_request(params.structured_outputs)
                     ),
                 )
             )

@@ -39,6 +39,10 @@ class ForkGroups:
             child.num_computed_tokens = shared
         return children
 
+    def take_siblings(self, parent: Request) -> list[Request]:
+        """Forgets and returns the siblings held for `parent` (they end with it)."""
+        return self._waiting.pop(parent.request_id, [])
+
     def parent_ended(self, parent: Request) -> Request | None:
         """The parent ended before forking: returns the sibling that takes its place (to be
         queued), which then holds the others; None if it had no siblings."""

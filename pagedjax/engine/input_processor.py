@@ -2,9 +2,10 @@
 
 `InputProcessor.process` tokenizes a text prompt, truncates it (`truncate_prompt_tokens`),
 checks it and the `SamplingParams` against the model (vocabulary, `max_model_len`,
-`max_logprobs`), resolves `max_tokens` and tokenizes the bad words. Every refusal is an
-`errors.InvalidInputError` naming the field, raised before anything is queued; the server
-maps it to a 400 with that `param`. Plain Python, no jax.
+`max_logprobs`), resolves `max_tokens`, tokenizes the bad words and checks a
+`structured_outputs` constraint (`structured_output.validate_structured_outputs`). Every
+refusal is an `errors.InvalidInputError` naming the field, raised before anything is queued;
+the server maps it to a 400 with that `param`. Plain Python, no jax.
 
 This runs on the engine thread (between two steps), so its cost is bounded: a token-id
 prompt longer than max_model_len is refused (or truncated) before its ids are scanned, and a
@@ -20,6 +21,7 @@ from pagedjax.errors import InvalidInputError
 from pagedjax.executor.input_batch import MAX_BANNED
 from pagedjax.inputs import PromptType, parse_prompt
 from pagedjax.sampling_params import SamplingParams
+from pagedjax.structured_output import validate_structured_outputs
 
 MAX_BAD_WORDS = 1024  # bad words per request (vLLM sets no limit); more is a 400
 
@@ -171,6 +173,13 @@ class InputProcessor:
             raise InvalidInputError(
                 f"{field} needs a tokenizer (skip_tokenizer_init is set)", field
             )
+        if params.structured_outputs is not None:
+            if self.tokenizer is None:
+                raise InvalidInputError(
+                    "structured_outputs needs a tokenizer (skip_tokenizer_init is set)",
+                    "structured_outputs",
+                )
+            validate_structured_outputs(params.structured_outputs)
 
     def _bad_words_token_ids(self, params: SamplingParams) -> list[list[int]] | None:
         """Token sequences of each bad word, with and without a leading space (as vLLM),

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 
 @dataclasses.dataclass(frozen=True)
 class RequestSpec:
@@ -163,7 +165,11 @@ class SchedulerOutput:
     host, swap blocks in, copy blocks, then compute `scheduled` (in batch order).
 
     stopped_req_ids: requests `schedule()` ended for lack of KV cache (finish reason
-    "length"); `update_from_output` reports them.
+    "length") or because their grammar did not compile ("error"); `update_from_output`
+    reports them.
+    grammar_bitmask: [len(scheduled), ceil(vocab / 32)] int32, in batch order, or None when no
+    constrained request samples this step: bit j of word w allows token 32 w + j (rows of
+    unconstrained requests are all ones); the sampler masks the rest before anything else.
     """
 
     scheduled_new_reqs: list[NewRequestData]
@@ -175,6 +181,7 @@ class SchedulerOutput:
     blocks_to_swap_in: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     stopped_req_ids: list[str] = dataclasses.field(default_factory=list)
+    grammar_bitmask: np.ndarray | None = None
 
     @property
     def num_scheduled_tokens(self) -> dict[str, int]:

@@ -21,6 +21,10 @@ Names (vLLM v1 where it has one; prometheus-client appends `_total` to counters)
     pagedjax:kv_cache_free_blocks                      gauge, blocks in the free queue (no
                                                        vLLM equivalent; == num_gpu_blocks
                                                        when nothing holds a block)
+    pagedjax:num_requests_waiting_for_grammar          gauge, structured-output requests whose
+                                                       grammar is compiling
+    pagedjax:grammar_compile_seconds                   histogram, one grammar's compilation
+    pagedjax:grammar_bitmask_seconds                   histogram, one step's bitmask fill
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _LATENCY_BUCKETS_LONG = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+_GRAMMAR_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
 
 
@@ -89,6 +94,20 @@ class PrometheusStatLogger:
         self.free_blocks = gauge(
             "pagedjax:kv_cache_free_blocks", "KV cache blocks in the free queue (cached or not)."
         )
+        self.waiting_for_grammar = gauge(
+            "pagedjax:num_requests_waiting_for_grammar",
+            "Structured-output requests waiting for their grammar to compile.",
+        )
+        self.grammar_compile = histogram(
+            "pagedjax:grammar_compile_seconds",
+            "Compilation of one structured-output grammar (worker pool), seconds.",
+            _GRAMMAR_BUCKETS,
+        )
+        self.grammar_bitmask = histogram(
+            "pagedjax:grammar_bitmask_seconds",
+            "Filling one step's token bitmask of the constrained requests (host), seconds.",
+            _GRAMMAR_BUCKETS,
+        )
         self.prefix_queries = counter(
             "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
         )
@@ -103,7 +122,7 @@ class PrometheusStatLogger:
             registry=registry,
         )
         self._model_name = model_name
-        for reason in ("stop", "length", "abort"):
+        for reason in ("stop", "length", "abort", "error"):
             self._success.labels(model_name=model_name, finished_reason=reason)
         self.ttft = histogram(
             "vllm:time_to_first_token_seconds",
@@ -146,12 +165,20 @@ class PrometheusStatLogger:
         self.num_swapped.set(stats.num_swapped_reqs)
         self.kv_usage.set(stats.kv_cache_usage)
         self.free_blocks.set(num_free_blocks)
+        self.waiting_for_grammar.set(stats.num_waiting_for_grammar)
         q0, h0 = self._last_prefix
         self.prefix_queries.inc(max(0, stats.prefix_cache_queries - q0))
         self.prefix_hits.inc(max(0, stats.prefix_cache_hits - h0))
         self._last_prefix = (stats.prefix_cache_queries, stats.prefix_cache_hits)
         self.preemptions.inc(max(0, stats.num_preemptions - self._last_preemptions))
         self._last_preemptions = stats.num_preemptions
+
+    def record_grammar_timings(self, compile_s: list[float], bitmask_s: list[float]) -> None:
+        """Observes grammar compilations and bitmask fills (seconds each)."""
+        for s in compile_s:
+            self.grammar_compile.observe(s)
+        for s in bitmask_s:
+            self.grammar_bitmask.observe(s)
 
     def record_first_token(self, ttft_s: float, num_prompt_tokens: int) -> None:
         self.ttft.observe(ttft_s)

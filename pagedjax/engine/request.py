@@ -1,10 +1,13 @@
 """A request as the scheduler sees it: token ids, counts, and its state machine.
 
 States:
+    WAITING_FOR_FSM --grammar compiled--> WAITING (a structured-output request whose grammar
+        compiles on the worker pool; --compile error--> FINISHED_ERROR)
     WAITING --schedule--> RUNNING --stop/length--> FINISHED_STOPPED / FINISHED_LENGTH_CAPPED
     RUNNING --preempt (recompute)--> PREEMPTED (queued again at the front of waiting)
     RUNNING --preempt (swap)--> SWAPPED --swap in--> RUNNING
     any unfinished state --abort--> FINISHED_ABORTED
+    RUNNING --token the grammar rejects--> FINISHED_ERROR
 
 The request is the one record of a sequence's progress: its tokens, how many are computed,
 its status, and (with a tokenizer) its text, through `detokenizer`. The scheduler alone
@@ -25,6 +28,7 @@ from pagedjax.engine.interface import RequestSpec
 if TYPE_CHECKING:
     from pagedjax.engine.detokenizer import IncrementalDetokenizer
     from pagedjax.sampling_params import SamplingParams
+    from pagedjax.structured_output import StructuredOutputRequest
 
 
 class RequestStatus(enum.IntEnum):
@@ -32,9 +36,11 @@ class RequestStatus(enum.IntEnum):
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     SWAPPED = enum.auto()
+    WAITING_FOR_FSM = enum.auto()  # vLLM's name: its grammar is still compiling
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH_CAPPED = enum.auto()
     FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()  # its grammar did not compile (stop_reason: the error)
 
     @property
     def is_finished(self) -> bool:
@@ -49,6 +55,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 
@@ -66,6 +73,7 @@ class Request:
         cache_salt: extra key mixed into the prefix-cache hash of every block.
         bad_words_token_ids: the token sequences of `sampling_params.bad_words`.
         detokenizer: its `IncrementalDetokenizer` (text and stop strings), or None.
+        structured_output: its grammar state, if `sampling_params.structured_outputs` is set.
     """
 
     def __init__(
@@ -80,6 +88,7 @@ class Request:
         cache_salt: str | None = None,
         bad_words_token_ids: list[list[int]] | None = None,
         detokenizer: IncrementalDetokenizer | None = None,
+        structured_output: StructuredOutputRequest | None = None,
     ):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -99,6 +108,7 @@ class Request:
         self.block_hashes: list[bytes] = []
         self.stop_reason: int | str | None = None
         self.detokenizer = detokenizer
+        self.structured_output = structured_output
         self.spec = RequestSpec.from_params(
             prompt_token_ids, sampling_params, eos_token_id, seed, bad_words_token_ids
         )

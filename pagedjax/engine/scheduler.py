@@ -20,9 +20,15 @@ The n samples of one prompt are forked (`engine.forks`): the first one prefills 
 when it has, the others take its blocks (shared, ref-counted) and compute only the last
 prompt token, each in its own copy of the partly filled last block (copy-on-write).
 
+A structured-output request waits (WAITING_FOR_FSM) until its grammar has compiled on the
+worker pool (`structured_output`), then queues like any other; each step the scheduler fills
+the token bitmask of the constrained rows that sample (`SchedulerOutput.grammar_bitmask`)
+and advances their matchers with the sampled tokens.
+
 The scheduler owns request state: `update_from_output` appends each sampled token, advances
 `num_computed_tokens` and decides, in one place, whether the request ends (EOS, stop token
-ids, max_tokens / max_model_len, stop strings; an abort comes through `finish_requests`).
+ids, a completed grammar, max_tokens / max_model_len, stop strings; an abort comes through
+`finish_requests`).
 Plain Python (no jax): `schedule()` returns a `SchedulerOutput` of ids and counts
 (`engine.interface`), with no `Request` in it.
 """
@@ -47,6 +53,7 @@ from pagedjax.engine.interface import (
 )
 from pagedjax.engine.kv_cache_manager import KVCacheManager
 from pagedjax.engine.request import Request, RequestStatus
+from pagedjax.structured_output.scheduling import GrammarWaitQueue, step_bitmask
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +75,7 @@ class SchedulerStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     prompt_tokens_computed: int = 0
+    num_waiting_for_grammar: int = 0
 
 
 class _WaitingQueue:
@@ -111,9 +119,16 @@ class _WaitingQueue:
 
 
 class Scheduler:
-    """The waiting queue, the running list, the swapped queue and their `KVCacheManager`."""
+    """The waiting queue, the running list, the swapped queue and their `KVCacheManager`;
+    `structured_output` (a `StructuredOutputManager`) fills the bitmasks of constrained
+    requests."""
 
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager):
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_cache_manager: KVCacheManager,
+        structured_output=None,
+    ):
         self.config = config
         self.kv = kv_cache_manager
         self.requests: dict[str, Request] = {}  # every request not yet reported finished
@@ -125,6 +140,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_swap_outs = 0  # preemptions that went to the host pool
         self.prompt_tokens_computed = 0
+        self.structured_output = structured_output
+        self.waiting_for_grammar = GrammarWaitQueue()
 
     # ----------------------------------------------------------------- requests in / out
 
@@ -147,6 +164,9 @@ class Scheduler:
         self.requests[request.request_id] = request
         if fork_of is not None and fork_of.request_id in self.requests:
             self.forks.hold(request, fork_of)
+        elif request.structured_output is not None and not request.structured_output.is_ready():
+            request.status = RequestStatus.WAITING_FOR_FSM
+            self.waiting_for_grammar.add(request)
         else:
             self.waiting.add(request)
 
@@ -162,6 +182,7 @@ class Scheduler:
         self.running = [r for r in self.running if id(r) not in gone]
         self.swapped = deque(r for r in self.swapped if id(r) not in gone)
         self.waiting.remove(reqs)
+        self.waiting_for_grammar.remove(reqs)
         self.forks.discard(reqs)
         for r in reqs:
             self._finish(r, status)
@@ -196,6 +217,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Chooses this step's requests and token counts; allocates their blocks."""
         step = _StepPlan(self.config.max_num_batched_tokens)
+        if len(self.waiting_for_grammar):
+            self._admit_compiled(step)
         if self.config.scheduling_policy == "priority":
             # Highest priority first; the victim of a preemption is then always the last one,
             # which has not been scheduled yet in this step (or is the request being served).
@@ -226,8 +249,26 @@ class Scheduler:
             blocks_to_copy=self.kv.take_pending_copies(),
             stopped_req_ids=step.stopped,
         )
+        if self.structured_output is not None:
+            reqs = [self.requests[s.req_id] for s in out.scheduled]
+            out.grammar_bitmask = step_bitmask(self.structured_output, reqs, out.scheduled)
         self.finished_req_ids = set()
         return out
+
+    def _admit_compiled(self, step: _StepPlan) -> None:
+        """Requests whose grammar compiled join the waiting queue; those whose grammar failed
+        end (with the n - 1 samples held for them) with finish_reason "error"."""
+        idle = not self.running and not len(self.waiting) and not self.swapped
+        ready, failed = self.waiting_for_grammar.take_done(self.structured_output, idle)
+        for req in ready:
+            req.status = RequestStatus.WAITING
+            self.waiting.add(req)
+        for req, error in failed:
+            logger.warning("request %s: %s", req.request_id, error)
+            for r in (req, *self.forks.take_siblings(req)):
+                r.stop_reason = error
+                self._finish(r, RequestStatus.FINISHED_ERROR)
+                step.stopped.append(r.request_id)
 
     def _schedule_running(self, step: _StepPlan) -> None:
         """Running requests first, in order; preempts from the back when blocks run out."""
@@ -376,6 +417,8 @@ class Scheduler:
             if token is None:
                 continue
             req.append_output_token(token.token_id, token.logprob)
+            if req.structured_output is not None:
+                req.structured_output.accept(token.token_id)
             if self.forks.has_siblings(req):
                 for child in self.forks.fork(req, self.kv):
                     self.waiting.add_front(child)
@@ -399,6 +442,12 @@ class Scheduler:
             if p.stop_token_ids and token in p.stop_token_ids:
                 req.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
+        so = req.structured_output
+        if so is not None and so.error is not None:
+            req.stop_reason = so.error
+            return RequestStatus.FINISHED_ERROR
+        if so is not None and so.is_terminated():
+            return RequestStatus.FINISHED_STOPPED  # the grammar is complete
         if req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH_CAPPED
         if stop_string is not None:
@@ -418,6 +467,7 @@ class Scheduler:
             prefix_cache_queries=s.queries,
             prefix_cache_hits=s.hits,
             prompt_tokens_computed=self.prompt_tokens_computed,
+            num_waiting_for_grammar=len(self.waiting_for_grammar),
         )
 
 

@@ -96,6 +96,7 @@ class PackedLayout:
             ("num_tiles", ()),
             ("want_logprobs", ()),
             ("want_prompt", ()),
+            ("use_bitmask", ()),  # set by the runner when a row is constrained
             *((name, (S,)) for name in SAMPLING_ROW_FIELDS),
             ("banned", (S, MAX_BANNED)),
         ]

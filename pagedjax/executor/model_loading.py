@@ -3,7 +3,9 @@
 `load_model` reads the checkpoint (converting a GGUF file once), builds the replica's
 `ShardingPlan` from the model's logical axes (`models.registry`), and places every weight on
 its devices once, as it is read (`models.loader.load_params` with the plan's shardings). With
-`linear_backend="cpu"` the float32 linear weights are then pre-packed for the native matmul.
+`linear_backend="cpu"` the float32 linear weights are then pre-packed for the native matmul,
+and GGUF weights kept quantized (`quantization="gguf"`, read from the file without a
+conversion) are marked for the native GGUF kernel (`ops.cpu_gguf`).
 
 Pipeline stages of unequal size (`sharding.stages`): the stacks are read as the model's L
 rows (whole on every stage where P does not divide L), then padded to the stage layout and
@@ -21,7 +23,7 @@ import jax
 
 from pagedjax.config import EngineConfig
 from pagedjax.models import loader, registry
-from pagedjax.ops import cpu_linear
+from pagedjax.ops import cpu_gguf, cpu_kernels, cpu_linear
 from pagedjax.sharding.mesh import device_grid, replica_mesh
 from pagedjax.sharding.pipeline import pad_stage_params
 from pagedjax.sharding.rules import ShardingPlan
@@ -60,11 +62,19 @@ def load_model(config: EngineConfig, devices=None) -> LoadedModel:
     """
     mc, cc, pc = config.model_config, config.cache_config, config.parallel_config
     setup_compilation_cache(config.compilation_cache_dir)
+    # The native kernels' ISA path, for every trace in this process (a worker process too).
+    cpu_kernels.set_default_isa(mc.cpu_kernel_isa)
     t0 = time.perf_counter()
     source = loader.ModelSource(mc.source_kind, mc.source_path)
-    if source.kind == "gguf":
+    keep_gguf = source.kind == "gguf" and mc.quantization == "gguf"
+    if source.kind == "gguf" and not keep_gguf:  # dequantized: the converted folder
         source = loader.converted_gguf_source(source, mc.download_dir)
-    tokenizer = None if mc.skip_tokenizer_init else loader.load_tokenizer(source, mc.tokenizer)
+    if mc.skip_tokenizer_init:
+        tokenizer = None
+    elif keep_gguf and mc.tokenizer is None:
+        tokenizer = loader.gguf_tokenizer(source, mc.download_dir)
+    else:
+        tokenizer = loader.load_tokenizer(source, mc.tokenizer)
     if devices is None:
         devices = device_grid(jax.devices(), 1, pc.pipeline_parallel_size, pc.tensor_parallel_size)[
             0
@@ -87,7 +97,7 @@ def load_model(config: EngineConfig, devices=None) -> LoadedModel:
     if not stages.is_even:
         params = pad_stage_params(params, stages, plan.sharding_for(logical))
     if mc.linear_backend == "cpu":  # the native matmul's panel layout, packed once
-        params = cpu_linear.pack_params(params)
+        params = cpu_gguf.use_native(cpu_linear.pack_params(params))
     return LoadedModel(tokenizer, plan, params, time.perf_counter() - t0)
 
 

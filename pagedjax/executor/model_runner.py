@@ -8,6 +8,10 @@ bucket (`executor.step.step`). Every bucket is compiled at warm-up; a step whose
 executable raises instead of compiling (after warm-up a compile is a bug), and
 `compile_count()` counts every XLA compilation of the process, so tests can assert none happen.
 
+A step whose scheduler output carries a structured-output `grammar_bitmask` sends it with the
+packed inputs, each row at its sampler row, and sets the packed `use_bitmask` flag; any other
+step passes a device-resident all-ones bitmask of its bucket (no transfer) and the flag off.
+
 The host buffer of a bucket is reused by the next step of that bucket; this is safe because
 `execute` waits for the step's sampled tokens before returning.
 """
@@ -135,6 +139,7 @@ class ModelRunner:
             init_sampling_state, static_argnums=(0, 1), out_shardings=plan.replicated()
         )(self.num_slots, self.arch.vocab_size)
         self._executables: dict[int, Any] = {}
+        self._no_bitmask: dict[int, jax.Array] = {}  # per bucket: all ones, on the device
         self._ops: dict[str, Any] = {}
         self.host_cache: np.ndarray | None = None  # [2, L, num_host_blocks + 1, bs, K, H]
         self.num_host_blocks = 0
@@ -198,16 +203,42 @@ class ModelRunner:
             layout = self.builder.layout(T)
             shape = (layout.size,)
         packed = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.plan.replicated())
+        bitmask = jax.ShapeDtypeStruct(
+            self._bitmask_shape(layout), jnp.int32, sharding=self.plan.replicated()
+        )
         return self._jit_step.lower(
             self.params,
             kv_spec,
             self.sampling_state,
             packed,
+            bitmask,
             layout=layout,
             mesh=self.plan.mesh if M or getattr(self.arch, "expert_parallel", False) else None,
             num_microbatches=M,
             **self._static,
         )
+
+    def _bitmask_shape(self, layout) -> tuple[int, int]:
+        """[sampler rows, ceil(V / 32)]: the step's structured-output bitmask."""
+        rows = layout.num_seqs * max(1, self.num_microbatches)
+        return rows, (self.arch.vocab_size + 31) // 32
+
+    def _step_bitmask(self, so: SchedulerOutput, batch):
+        """The bitmask argument of a step: the scheduler's rows at their sampler rows (and
+        the packed flag set), or the bucket's all-ones device array."""
+        key = batch.layout.num_tokens
+        if so.grammar_bitmask is None:
+            ones = self._no_bitmask.get(key)
+            if ones is None:
+                shape = self._bitmask_shape(batch.layout)
+                ones = jax.device_put(np.full(shape, -1, np.int32), self.plan.replicated())
+                self._no_bitmask[key] = ones
+            return ones
+        mask = np.full(self._bitmask_shape(batch.layout), -1, np.int32)
+        mask[batch.sample_rows] = so.grammar_bitmask
+        flag = batch.layout.offsets["use_bitmask"][0]
+        batch.buffer[..., flag] = 1
+        return mask
 
     def _activation_bytes(self) -> int:
         """Temporary bytes of the largest bucket's step, from XLA's memory analysis."""
@@ -391,9 +422,10 @@ class ModelRunner:
         exe = self._executables.get(batch.layout.num_tokens)
         if exe is None:
             raise RuntimeError(f"no compiled step for {batch.layout}; warm up first")
+        bitmask = self._step_bitmask(so, batch)
         t1 = time.perf_counter()
         out, self.kv_cache, self.sampling_state = exe(
-            self.params, self.kv_cache, self.sampling_state, batch.buffer
+            self.params, self.kv_cache, self.sampling_state, batch.buffer, bitmask
         )
         s = out.sampled
         token_ids, logprobs = np.asarray(s.token_ids), np.asarray(s.logprobs)

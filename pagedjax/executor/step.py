@@ -1,10 +1,12 @@
 """The pure device functions the runner compiles: the engine step and the small block and
 sampling-state operations around it.
 
-    step(params, kv_cache, sampling_state, packed) ->
+    step(params, kv_cache, sampling_state, packed, bitmask) ->
         (StepOutput, kv_cache, sampling_state)
 
-`packed` is the step's one int32 host buffer (`executor.input_batch.PackedLayout`); the KV cache
+`packed` is the step's one int32 host buffer (`executor.input_batch.PackedLayout`); `bitmask`
+the structured-output token bitmask of the sampler rows (`ops.bitmask`; applied only when the
+packed flag `use_bitmask` is set, otherwise a device-resident array of ones); the KV cache
 and the sampling state are donated so that they are updated in place. Logits never leave the
 device: the sampler runs inside the step and only ids, logprobs and the requested top-k
 alternatives come back.
@@ -21,6 +23,7 @@ from flax import struct
 from pagedjax.executor.input_batch import PackedLayout
 from pagedjax.models import registry
 from pagedjax.ops.attention import METADATA_FIELDS, AttentionMetadata
+from pagedjax.ops.bitmask import maybe_apply_token_bitmask
 from pagedjax.ops.sampling import (
     SamplerOutput,
     SamplingMetadata,
@@ -56,6 +59,7 @@ def step(
     kv_cache,
     sampling_state,
     packed,
+    bitmask,
     *,
     layout: PackedLayout,
     cfg,
@@ -68,7 +72,9 @@ def step(
     stages=None,
 ):
     """One engine step: the model over the flat batch, logits of each sequence's last token,
-    the sampler, and (when asked) prompt logprobs.
+    the structured-output `bitmask` ([rows, ceil(V / 32)] int32, one row per sampler row;
+    applied when a micro-batch sets `use_bitmask`), the sampler, and (when asked) prompt
+    logprobs.
 
     With `num_microbatches` M > 0 (pipeline parallelism), `packed` is [M, layout.size], one
     micro-batch per row, run through `sharding.pipeline.pipeline_decoder` on `mesh`; the
@@ -142,6 +148,8 @@ def step(
     )
     want_logprobs = jnp.any(jnp.stack([a["want_logprobs"] for a in parts]) != 0)
     want_prompt = jnp.any(jnp.stack([a["want_prompt"] for a in parts]) != 0)
+    use_bitmask = jnp.any(jnp.stack([a["use_bitmask"] for a in parts]) != 0)
+    logits = maybe_apply_token_bitmask(logits, bitmask, use_bitmask)
     sampled = sample(
         logits, sm, sampling_state, max_logprobs=max_logprobs, want_logprobs=want_logprobs
     )

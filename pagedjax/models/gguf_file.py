@@ -21,13 +21,20 @@ What differs between the architectures' files:
            softmax scale head_dim ** -0.5 (`attention.key_length`), hidden / heads for the
            27B models (46 gemma2 layers, 62 gemma3 layers); a tanh-approximate GELU.
 
+Quantized tensors kept as in the file (`gguf_tensors(path, keep_quantized=True)`, the engine's
+default for a GGUF file): a 2-D tensor in one of `ops.gguf_quant.GGUF_FORMATS` comes as a
+`RawBlocks` (its rows of blocks), which the routing above moves like an array (rows split,
+Q/K rows reordered) and `stacking.StackedParams` turns into an `ops.gguf_quant.GGUFWeight`;
+other tensors (F32 norms, F16 or other quantized formats) are dequantized to float32.
+
 Named `gguf_file` rather than `gguf` so that it is never mistaken for the `gguf` package.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -35,6 +42,7 @@ from pagedjax.models import registry
 from pagedjax.models.arch_config import DecoderArchConfig
 from pagedjax.models.hf_checkpoint import split_fused
 from pagedjax.models.stacking import StackedParams
+from pagedjax.ops.gguf_quant import GGUF_FORMATS, GGUFWeight
 
 # general.architecture -> the Hugging Face architecture of the family that runs it.
 GGUF_ARCHITECTURES = {
@@ -218,13 +226,64 @@ def _rope_scaling(arch: str, key) -> tuple[tuple[str, object], ...] | None:
     raise ValueError(f"GGUF {arch}.rope.scaling.type {kind!r} is not supported; only linear")
 
 
-def gguf_tensors(path: str) -> Iterator[tuple[str, np.ndarray]]:
-    """(name, float32 array) for every tensor of the file, dequantized one at a time."""
+@dataclasses.dataclass(frozen=True)
+class RawBlocks:
+    """A GGUF tensor kept in its quantized blocks: a weight [N, K] (torch layout) as N rows.
+
+    Attributes:
+        data: uint8 [N, row_bytes], row n the K values of row n in blocks of `qtype`.
+        qtype: a key of `ops.gguf_quant.GGUF_FORMATS`.
+        k: K, the values per row.
+        transposed: True once `.T` was taken (the [K, N] = [in, out] view the params hold);
+            it changes `shape` only, the blocks stay rows of N.
+    """
+
+    data: np.ndarray
+    qtype: str
+    k: int
+    transposed: bool = False
+    ndim = 2
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        n = self.data.shape[0]
+        return (self.k, n) if self.transposed else (n, self.k)
+
+    @property
+    def T(self) -> RawBlocks:  # noqa: N802 (numpy's name)
+        return dataclasses.replace(self, transposed=not self.transposed)
+
+    def map_rows(self, fn: Callable[[np.ndarray], np.ndarray]) -> RawBlocks:
+        """The same tensor with its rows rearranged by fn (uint8 [N, B] -> [N', B])."""
+        return dataclasses.replace(self, data=np.ascontiguousarray(fn(self.data)))
+
+    def dequantized(self) -> np.ndarray:
+        """float32 in this view's shape (by `gguf.quants.dequantize`)."""
+        import gguf
+        from gguf.quants import dequantize
+
+        w = dequantize(self.data, gguf.GGMLQuantizationType[self.qtype])
+        return w.T if self.transposed else w
+
+    def weight(self) -> GGUFWeight:
+        """The `GGUFWeight` (host arrays) of these rows: logical shape [K, N]."""
+        return GGUFWeight(self.data, self.qtype, self.k)
+
+
+def gguf_tensors(
+    path: str, keep_quantized: bool = False
+) -> Iterator[tuple[str, np.ndarray | RawBlocks]]:
+    """(name, float32 array) for every tensor of the file, dequantized one at a time; with
+    `keep_quantized`, a 2-D tensor in one of GGUF_FORMATS comes as a `RawBlocks` instead."""
     from gguf.quants import dequantize
 
     reader = gguf_reader(path)
     for t in reader.tensors:
-        yield t.name, dequantize(t.data, t.tensor_type)
+        kind = t.tensor_type.name
+        if keep_quantized and kind in GGUF_FORMATS and len(t.shape) == 2:
+            yield t.name, RawBlocks(np.array(t.data, np.uint8), kind, int(t.shape[0]))
+        else:
+            yield t.name, dequantize(t.data, t.tensor_type)
 
 
 def assign_gguf(stack: StackedParams, cfg: DecoderArchConfig, name: str, value) -> None:
@@ -235,7 +294,12 @@ def assign_gguf(stack: StackedParams, cfg: DecoderArchConfig, name: str, value) 
         layer, suffix = int(m.group(1)), m.group(2)
         fused = _GGUF_FUSED_BY_ARCH.get(cfg.architecture, {}).get(suffix) or _GGUF_FUSED.get(suffix)
         if fused is not None:
-            for target, part in split_fused(stack, fused, value, name):
+            if isinstance(value, RawBlocks):  # rows split as they are, blocks untouched
+                parts = split_fused(stack, fused, value.data, name)
+                parts = [(t, value.map_rows(lambda _, p=p: p)) for t, p in parts]
+            else:
+                parts = split_fused(stack, fused, value, name)
+            for target, part in parts:
                 stack.set_layer(target, layer, part.T, name)
             return
         gemma = cfg.architecture in _NORM_PLUS_ONE
@@ -244,7 +308,10 @@ def assign_gguf(stack: StackedParams, cfg: DecoderArchConfig, name: str, value) 
             raise ValueError(f"unexpected tensor {name!r} in the GGUF file")
         if target in ("q_proj", "k_proj") and cfg.architecture in _PERMUTED_QK:
             heads = cfg.num_attention_heads if target == "q_proj" else cfg.num_key_value_heads
-            value = unpermute_gguf_qk(value, heads)
+            if isinstance(value, RawBlocks):
+                value = value.map_rows(lambda rows, h=heads: unpermute_gguf_qk(rows, h))
+            else:
+                value = unpermute_gguf_qk(value, heads)
         if gemma and suffix.endswith("norm.weight"):
             value = value - np.float32(1)
         stack.set_layer(target, layer, value.T if value.ndim == 2 else value, name)

@@ -24,6 +24,7 @@ import numpy as np
 
 from pagedjax.models.arch_config import DecoderArchConfig
 from pagedjax.ops.attention import AttentionMetadata, ragged_paged_attention
+from pagedjax.ops.gguf_quant import GGUFWeight, embedding_rows
 from pagedjax.ops.kv_cache import KVCache, is_quantized_cache, write_kv
 from pagedjax.ops.linear import layer_weights, linear, split_layers
 
@@ -218,8 +219,13 @@ def gated_mlp(
 
 
 def embed(params: Mapping[str, Any], input_ids: jax.Array) -> jax.Array:
-    """The embedding lookup: input_ids [T] int32 -> [T, D] in the params dtype."""
-    return params["embed_tokens"][input_ids]
+    """The embedding lookup: input_ids [T] int32 -> [T, D] in the params dtype (a GGUF
+    embedding kept quantized: only the looked-up rows are dequantized, to the dtype of the
+    final norm, the model's)."""
+    table = params["embed_tokens"]
+    if isinstance(table, GGUFWeight):
+        return embedding_rows(table, input_ids, params["final_norm"].dtype)
+    return table[input_ids]
 
 
 def compute_logits(
@@ -239,7 +245,9 @@ def compute_logits(
     """
     head = params.get("lm_head")
     if head is None:  # tied embeddings
-        head = params["embed_tokens"].T  # [D, V]
+        head = params["embed_tokens"]
+        # A GGUF embedding is stored as the head's rows already (logical shape [D, V]).
+        head = head if isinstance(head, GGUFWeight) else head.T  # [D, V]
     logits = linear(hidden, head, num_rows=num_rows).astype(jnp.float32)
     cap = cfg.final_logit_softcap if cfg is not None else None
     if cap:

@@ -34,7 +34,9 @@ dispatches on the weight's kind; this model never asks how a weight is stored. W
 same logical shape. Under `linear_backend="cpu"` the engine holds float32 linear weights as
 `ops.cpu_linear.PackedWeight`s of the same logical shape (the native matmul's panel layout,
 `cpu_linear.pack_params`), and the LM head as one of [1, D, V] (also with tied embeddings, as
-a second copy); the scan reads those stacks in place (`ops.linear.split_layers`).
+a second copy); the scan reads those stacks in place (`ops.linear.split_layers`). A GGUF file
+kept quantized holds the linear weights, the embedding and the LM head as
+`ops.gguf_quant.GGUFWeight`s (rows of blocks; the embedding as the tied head's [D, V]).
 """
 
 from __future__ import annotations

@@ -15,7 +15,9 @@ Tensors are read one at a time and written into per-weight stacked host buffers
 the device once complete, so the host never holds more than the checkpoint's memory map and
 one stacked weight.
 
-A GGUF file is converted once into an orbax folder under the cache directory (dequantizing
+A GGUF file is loaded with its quantized tensors kept in their blocks (`quantization="gguf"`,
+the engine's default for a GGUF file: `gguf_file.RawBlocks` -> `ops.gguf_quant.GGUFWeight`),
+or dequantized: converted once into an orbax folder under the cache directory (dequantizing
 and building the tokenizer from GGUF metadata takes tens of seconds); later loads of the
 same file (same path, size and mtime) read that folder.
 
@@ -55,6 +57,7 @@ from pagedjax.models.sources import (
 from pagedjax.models.stacking import StackedParams
 from pagedjax.models.tokenizer import load_tokenizer
 from pagedjax.ops import quant
+from pagedjax.ops.gguf_quant import GGUFWeight
 from pagedjax.paths import cache_root
 
 __all__ = [
@@ -62,6 +65,7 @@ __all__ = [
     "ModelSource",
     "checkpoint_dtype",
     "converted_gguf_source",
+    "gguf_tokenizer",
     "default_model_path",
     "load_arch_config",
     "load_params",
@@ -114,6 +118,17 @@ def _default_place(sharding_for: Callable[[str], Any] | None):
     return place
 
 
+def _gguf_place(place):
+    """`place` for a load that keeps GGUF blocks: a `GGUFWeight` goes to the default device."""
+
+    def place_gguf(name: str, value):
+        if isinstance(value, GGUFWeight):
+            return jax.tree.map(jax.device_put, value)
+        return place(name, value)
+
+    return place_gguf
+
+
 def load_params(
     source: ModelSource,
     cfg: DecoderArchConfig,
@@ -135,7 +150,8 @@ def load_params(
         quantization: None, or a method of `ops.choices.QUANTIZATION_METHODS` as
             `resolve_quantization` returns it: the checkpoint's own ("awq", "gptq", "fp8", or a
             saved conversion's), or "int8" / "w8a8" / "fp8" to quantize float weights on load
-            ("gguf": as None).
+            "gguf": a GGUF file's quantized tensors kept in their blocks
+            (`ops.gguf_quant.GGUFWeight`, on the default device; other tensors in `dtype`).
         kv_cache_dtype: "auto" drops a checkpoint's KV-cache scales; a float8 cache keeps
             them as `layers/k_scale`, `layers/v_scale` [L] float32.
 
@@ -145,7 +161,10 @@ def load_params(
     """
     np_dtype = jnp.dtype(dtype)
     place = _default_place(sharding_for)
+    keep_gguf = quantization == "gguf" and source.kind == "gguf"
     quantization = None if quantization == "gguf" else quantization
+    if keep_gguf:
+        place = _gguf_place(place)
     ckpt_q = quant_loader.checkpoint_quantization(source)
     if ckpt_q is not None and quantization not in (None, ckpt_q.method):
         raise ValueError(
@@ -184,7 +203,7 @@ def load_params(
             if not collector.accept(name, value):
                 assign_hf(stack, cfg, name, value)
     else:
-        for name, value in gguf_tensors(source.path):
+        for name, value in gguf_tensors(source.path, keep_quantized=keep_gguf):
             assign_gguf(stack, cfg, name, value)
     weights, kv_scales = collector.finish()
     quant_loader.check_linear_shapes(weights, stack.shapes["layers"])
@@ -204,6 +223,23 @@ def _file_fingerprint(path: str) -> str:
     st = os.stat(path)
     key = f"{os.path.realpath(path)}|{st.st_size}|{st.st_mtime_ns}|v{_CONVERSION_VERSION}"
     return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def gguf_tokenizer(source: ModelSource, download_dir: str | None = None):
+    """The tokenizer of a GGUF file, built from its metadata once (seconds) and kept in a
+    folder under the cache directory for later loads (a load that keeps the weights quantized
+    reads no conversion)."""
+    from transformers import AutoTokenizer
+
+    out = (
+        cache_root(download_dir) / "tokenizers" / f"{source.name}-{_file_fingerprint(source.path)}"
+    )
+    if (out / "tokenizer_config.json").exists():
+        return AutoTokenizer.from_pretrained(str(out))
+    tokenizer = load_tokenizer(source)
+    with contextlib.suppress(OSError):
+        tokenizer.save_pretrained(str(out))
+    return tokenizer
 
 
 def converted_gguf_source(source: ModelSource, download_dir: str | None = None) -> ModelSource:

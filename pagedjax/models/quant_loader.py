@@ -144,7 +144,7 @@ def resolve_quantization(requested: str | None, source) -> str | None:
     if requested == "gguf":
         if source.kind != "gguf":
             raise ValueError("quantization='gguf' needs a .gguf model file")
-        return "gguf"  # loaded dequantized, as without the argument
+        return "gguf"  # its quantized blocks kept (`ops.gguf_quant`)
     ckpt = checkpoint_quantization(source)
     if ckpt is not None:
         if requested not in (None, ckpt.method):

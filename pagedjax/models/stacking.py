@@ -6,6 +6,10 @@
 handed to `place` (e.g. sent to the device) as soon as all its layers are in, so the host
 holds at most one stacked weight. The checkpoint formats' name routing lives with their
 readers (`hf_checkpoint`, `gguf_file`).
+
+A GGUF tensor kept quantized (`gguf_file.RawBlocks`, recognised by its `weight` method) becomes
+an `ops.gguf_quant.GGUFWeight`; a stacked weight whose layers use different block formats
+(mixed files, e.g. Q4_K_M's Q6_K layers) cannot be one stack and is dequantized to float32.
 """
 
 from __future__ import annotations
@@ -34,14 +38,18 @@ class StackedParams:
         self._bufs: dict[str, np.ndarray] = {}
         self._filled: dict[str, set[int]] = {}
         self._experts: dict[tuple[str, int], set[int]] = {}
+        self._raw: dict[str, dict[int, Any]] = {}  # GGUF blocks of a stack, by layer
 
     def set_global(self, name: str, value: np.ndarray, source_name: str) -> None:
         if name not in self.shapes:
             raise ValueError(f"unexpected tensor {source_name!r} for this architecture")
         check_shape(source_name, value.shape, self.shapes[name])
+        if hasattr(value, "weight"):  # GGUF blocks kept quantized
+            self.params[name] = self.place(name, value.weight())
+            return
         self.params[name] = self.place(name, np.asarray(value, self.dtype))
 
-    def _layer_buf(self, name: str, layer: int, source_name: str) -> np.ndarray:
+    def _layer_shape(self, name: str, layer: int, source_name: str) -> tuple[int, ...]:
         shape = self.shapes["layers"].get(name)
         if shape is None:
             raise ValueError(f"unexpected tensor {source_name!r} for this architecture")
@@ -50,6 +58,10 @@ class StackedParams:
                 f"tensor {source_name!r} names layer {layer}, but the model has "
                 f"{self.cfg.num_hidden_layers} layers"
             )
+        return shape
+
+    def _layer_buf(self, name: str, layer: int, source_name: str) -> np.ndarray:
+        shape = self._layer_shape(name, layer, source_name)
         buf = self._bufs.get(name)
         if buf is None:
             absent = self.absent.get(name, ())
@@ -63,6 +75,11 @@ class StackedParams:
             self.params["layers"][name] = self.place("layers/" + name, self._bufs.pop(name))
 
     def set_layer(self, name: str, layer: int, value: np.ndarray, source_name: str) -> None:
+        if hasattr(value, "weight"):  # GGUF blocks kept quantized
+            shape = self._layer_shape(name, layer, source_name)
+            check_shape(source_name, value.shape, shape[1:])
+            self._set_raw_layer(name, layer, value)
+            return
         buf = self._layer_buf(name, layer, source_name)
         check_shape(source_name, value.shape, buf.shape[1:])
         buf[layer] = value
@@ -84,6 +101,22 @@ class StackedParams:
         have.add(expert)
         if len(have) == buf.shape[1]:
             self._layer_done(name, layer)
+
+    def _set_raw_layer(self, name: str, layer: int, value) -> None:
+        raw = self._raw.setdefault(name, {})
+        raw[layer] = value
+        self._filled.setdefault(name, set()).add(layer)
+        if len(raw) < self.cfg.num_hidden_layers:
+            return
+        layers = [raw.pop(i) for i in range(self.cfg.num_hidden_layers)]
+        del self._raw[name]
+        if len({w.qtype for w in layers}) == 1:
+            first = layers[0].weight()
+            stacked = first.replace(blocks=np.stack([w.data for w in layers]))
+            self.params["layers"][name] = self.place("layers/" + name, stacked)
+        else:  # mixed formats: one float stack
+            value = np.stack([np.asarray(w.dequantized(), self.dtype) for w in layers])
+            self.params["layers"][name] = self.place("layers/" + name, value)
 
     def finish(self, what: str) -> dict[str, Any]:
         missing = [k for k in self.shapes if k != "layers" and k not in self.params]

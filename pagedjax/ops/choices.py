@@ -14,6 +14,9 @@ ATTENTION_BACKENDS = ("reference", "xla", "cpu", "pallas")
 # for the native CPU matmul (`ops.cpu_linear`).
 LINEAR_BACKENDS = ("xla", "cpu")
 
+# The native CPU kernels' ISA paths, widest first (`ops.cpu_kernels`; the config adds "auto").
+CPU_KERNEL_ISAS = ("avx512", "avx2", "portable")
+
 # What `ops.quant` computes (vLLM's `quantization=` names).
 QUANTIZATION_METHODS = ("int8", "w8a8", "fp8", "awq", "gptq")
 QUANTIZE_ON_LOAD = ("int8", "w8a8", "fp8")  # computed from float weights at load time

@@ -7,19 +7,17 @@ CPU costs more than the arithmetic. It is part of the "cpu" attention backend: d
 prefill chunks alike, one device (the custom call has no sharding rule). A sliding window is a
 runtime operand (it may differ per layer inside a scan over layers) and the kernel skips the
 blocks before an item's windows; a logit soft-cap is an attribute. The library is built on
-first use (see `cpu_kernels`).
+first use, one build per ISA path (see `cpu_kernels`). A float8 cache is read directly, its
+bytes converted to float32 in vector registers.
 """
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 
-from pagedjax.ops.cpu_kernels import available, unavailable_reason
+from pagedjax.ops import cpu_kernels
 
 TARGET = "pagedjax_paged_attention_cpu"
 QUERY_TILE = 16  # queries of one sequence per work item (they share each block read)
@@ -32,15 +30,6 @@ SUPPORTED_CACHE_DTYPES = tuple(
 def supports(cache_dtype) -> bool:
     """True for a cache dtype the kernel reads."""
     return jnp.dtype(cache_dtype) in SUPPORTED_CACHE_DTYPES
-
-
-@functools.cache
-def _fp8_table(dtype) -> np.ndarray:
-    """float32 value of each byte of a float8 format ([256]; zeros for other dtypes)."""
-    dtype = jnp.dtype(dtype)
-    if dtype.itemsize != 1:
-        return np.zeros(256, np.float32)
-    return np.arange(256, dtype=np.uint8).view(ml_dtypes.finfo(dtype).dtype).astype(np.float32)
 
 
 def paged_attention(
@@ -58,6 +47,7 @@ def paged_attention(
     sliding_window: jax.Array | int | None = None,
     logit_soft_cap: float | None = None,
     query_tile: int = QUERY_TILE,
+    isa: str | None = None,
 ) -> jax.Array:
     """Causal attention of each query token over its sequence's paged context (native CPU).
 
@@ -77,16 +67,16 @@ def paged_attention(
         logit_soft_cap: scores = cap * tanh(scores / cap) after the softmax scale; None:
             none.
         query_tile: queries of one sequence per work item.
+        isa: the kernel's ISA path (`cpu_kernels.ISAS`); None: `cpu_kernels.default_isa()`.
 
     Returns:
         [T, N, H] float32; padding rows are zero.
 
     Raises:
-        RuntimeError: the kernel is unavailable (`available()` is False).
-        ValueError: a cache dtype the kernel does not read.
+        RuntimeError: the kernel is unavailable (`cpu_kernels.available()` is False).
+        ValueError: a cache dtype the kernel does not read, or an ISA path this CPU cannot run.
     """
-    if not available():
-        raise RuntimeError(f"native CPU attention unavailable: {unavailable_reason()}")
+    target = cpu_kernels.target(TARGET, isa)
     if not supports(k_cache.dtype):
         raise ValueError(
             f"native CPU attention reads {SUPPORTED_CACHE_DTYPES}, not {k_cache.dtype}"
@@ -94,7 +84,7 @@ def paged_attention(
     scales = jnp.stack(
         [jnp.asarray(1.0 if s is None else s, jnp.float32).reshape(()) for s in (k_scale, v_scale)]
     )
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, jnp.float32))
     return call(
         q.astype(jnp.float32),
         k_cache,
@@ -105,7 +95,6 @@ def paged_attention(
         block_tables.astype(jnp.int32),
         jnp.asarray(0 if sliding_window is None else sliding_window, jnp.int32).reshape(()),
         scales,
-        jnp.asarray(_fp8_table(k_cache.dtype)),
         sm_scale=np.float32(sm_scale),
         logit_soft_cap=np.float32(logit_soft_cap or 0.0),
         query_tile=np.int64(query_tile),

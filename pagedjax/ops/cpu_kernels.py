@@ -1,17 +1,28 @@
-"""The native CPU kernels' library: C++ XLA FFI custom calls, built on first use.
+"""The native CPU kernels' library: C++ XLA FFI custom calls, built on first use, per ISA path.
 
-Two kernels live in `csrc/` and are compiled into one shared library:
+Three kernels live in `csrc/` and are compiled into one shared library:
     paged_attention_cpu.cc  ragged paged attention (`cpu_attention.paged_attention`)
     linear_cpu.cc           float32 x @ W[layer] over a stacked weight (`cpu_linear.matmul`)
-The first is the "cpu" attention backend (`attention_backend="cpu"`), the second the "cpu"
-linear backend (`linear_backend="cpu"`); "auto" picks both on one CPU device.
+    gguf_linear_cpu.cc      x @ W[layer] over GGUF quantized blocks (`cpu_gguf.matmul`)
+The first is the "cpu" attention backend (`attention_backend="cpu"`), the other two the "cpu"
+linear backend (`linear_backend="cpu"`); "auto" picks both on one CPU device. A new kernel
+is one more file in SOURCES and one more entry in TARGETS.
 
-The library is compiled with the system C++ compiler ($CXX, else g++; `-O3 -march=native`)
-against the FFI headers that ship with jaxlib, into `<cache root>/kernels/` (see
-`paths.cache_root`), keyed by the sources and their header, the flags, the jaxlib
-version and the CPU model. `available()` is False, with the reason logged once, when there is
-no compiler or the build fails; `attention_backend` and `linear_backend` "auto" then keep
-"xla".
+ISA paths (`ISAS`, widest first): "avx512" (16-float vectors, 32 registers), "avx2" (8-float
+vectors) and "portable" (4-float GCC vectors, any CPU). Each path is a separate build of the
+library: the compiler flags of `ISA_FLAGS` plus `-DPAGEDJAX_ISA_<NAME>` (the macro the
+sources read through `csrc/simd.h`), and separate FFI target names (`target(name, isa)`
+appends `_<isa>`), so that several paths can be loaded in one process (the tests run every
+path the machine can). `native_isa()` is the widest path the CPU's flags allow;
+`resolve_isa(setting)` turns the engine's `cpu_kernel_isa` ("auto" or a path name) into a
+path, refusing one wider than the CPU. The engine sets the process's path once
+(`set_default_isa`); the kernels' Python wrappers use it unless given `isa=`.
+
+Each library is compiled with the system C++ compiler ($CXX, else g++) against the FFI
+headers that ship with jaxlib, into `<cache root>/kernels/` (see `paths.cache_root`), keyed by
+the sources and their header, the path's flags, the jaxlib version and the CPU model.
+`available()` is False, with the reason logged once, when there is no compiler or the build
+fails; `attention_backend` and `linear_backend` "auto" then keep "xla".
 """
 
 from __future__ import annotations
@@ -29,27 +40,45 @@ from pathlib import Path
 
 import jax
 
+from pagedjax.ops.choices import CPU_KERNEL_ISAS
 from pagedjax.paths import cache_root
 
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "paged_attention_cpu.cc", CSRC / "linear_cpu.cc")
+SOURCES = (CSRC / "paged_attention_cpu.cc", CSRC / "linear_cpu.cc", CSRC / "gguf_linear_cpu.cc")
 HEADERS = (CSRC / "simd.h",)  # included by the sources: part of the cache key
 # FFI target name -> the handler symbol the library exports.
 TARGETS = {
     "pagedjax_paged_attention_cpu": "PagedAttentionCpu",
     "pagedjax_linear_cpu": "LinearCpu",
+    "pagedjax_gguf_linear_cpu": "GgufLinearCpu",
 }
 CXX_FLAGS = (
     "-O3",
-    "-march=native",
     "-ffp-contract=fast",  # fused multiply-adds, whatever the compiler's default
     "-fno-math-errno",
     "-std=c++17",
     "-shared",
     "-fPIC",
 )
+ISAS = CPU_KERNEL_ISAS  # widest first
+ISA_SETTINGS = ("auto", *ISAS)  # the engine's `cpu_kernel_isa`
+_X86 = platform.machine().lower() in ("x86_64", "amd64")
+# The path's flags on top of CXX_FLAGS: -march=native, with the wider extensions switched
+# off for a narrower path (so that the compiler cannot use them either).
+ISA_FLAGS = {
+    "avx512": ("-march=native",),
+    "avx2": ("-march=native", "-mno-avx512f"),
+    "portable": ("-march=native", "-mno-avx") if _X86 else ("-march=native",),
+}
+# CPU flags (/proc/cpuinfo) each x86 path needs.
+_ISA_CPU_FLAGS = {
+    "avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma"},
+    "avx2": {"avx2", "fma"},
+    "portable": set(),
+}
+_default_isa: str | None = None
 
 
 def _cpu_model() -> str:
@@ -62,31 +91,99 @@ def _cpu_model() -> str:
     return platform.processor()
 
 
-def _library_path(cxx: str) -> Path:
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+@functools.cache
+def runnable_isas() -> tuple[str, ...]:
+    """The ISA paths this machine's CPU can run, widest first ("portable" always)."""
+    if not _X86:
+        return ("portable",)
+    flags = _cpu_flags()
+    return tuple(isa for isa in ISAS if _ISA_CPU_FLAGS[isa] <= flags)
+
+
+def native_isa() -> str:
+    """The widest ISA path the CPU runs: "avx512", "avx2" or "portable"."""
+    return runnable_isas()[0]
+
+
+def resolve_isa(setting: str | None = "auto") -> str:
+    """The ISA path of a `cpu_kernel_isa` setting: "auto" (or None) is `native_isa()`.
+
+    Raises:
+        ValueError: an unknown setting, or a path this CPU cannot run (naming its flags).
+    """
+    if setting in (None, "auto"):
+        return native_isa()
+    if setting not in ISAS:
+        raise ValueError(f"cpu_kernel_isa must be one of {ISA_SETTINGS}, got {setting!r}")
+    if setting not in runnable_isas():
+        raise ValueError(
+            f"cpu_kernel_isa {setting!r} needs the CPU flags {sorted(_ISA_CPU_FLAGS[setting])}; "
+            f"this CPU runs {runnable_isas()}"
+        )
+    return setting
+
+
+def set_default_isa(setting: str | None) -> str:
+    """Sets the process's ISA path (the engine calls it with `cpu_kernel_isa`); returns it.
+
+    Raises:
+        ValueError: as `resolve_isa`.
+    """
+    global _default_isa
+    _default_isa = resolve_isa(setting)
+    return _default_isa
+
+
+def default_isa() -> str:
+    """The process's ISA path: the last `set_default_isa`, else `native_isa()`."""
+    return _default_isa or native_isa()
+
+
+def _library_path(cxx: str, isa: str) -> Path:
     key = "|".join(
         [
             *(f.read_text() for f in (*SOURCES, *HEADERS)),
             cxx,
-            " ".join(CXX_FLAGS),
+            " ".join((*CXX_FLAGS, *ISA_FLAGS[isa], _isa_define(isa))),
             jax.__version__,
             platform.machine(),
             _cpu_model(),
         ]
     )
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    return cache_root() / "kernels" / f"pagedjax_cpu-{digest}.so"
+    return cache_root() / "kernels" / f"pagedjax_cpu-{isa}-{digest}.so"
 
 
-def build(cxx: str | None = None) -> Path:
-    """Compiles the kernel library (if not built yet) and returns its path.
+def _isa_define(isa: str) -> str:
+    return f"-DPAGEDJAX_ISA_{isa.upper()}"
+
+
+def build(cxx: str | None = None, isa: str | None = None) -> Path:
+    """Compiles the kernel library of an ISA path (if not built yet) and returns its path.
+
+    Args:
+        cxx: the C++ compiler (default $CXX, else g++).
+        isa: an ISA path (`ISAS`); None: `default_isa()`.
 
     Raises:
         RuntimeError: no C++ compiler, or the compiler failed (its output in the message).
+        ValueError: an ISA path this CPU cannot run.
     """
+    isa = resolve_isa(isa or default_isa())
     cxx = cxx or os.environ.get("CXX") or "g++"
     if shutil.which(cxx) is None:
         raise RuntimeError(f"no C++ compiler {cxx!r} on PATH (set $CXX)")
-    out = _library_path(cxx)
+    out = _library_path(cxx, isa)
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -98,6 +195,8 @@ def build(cxx: str | None = None) -> Path:
         cmd = [
             cxx,
             *CXX_FLAGS,
+            *ISA_FLAGS[isa],
+            _isa_define(isa),
             f"-I{include}",
             f"-I{CSRC}",
             *map(str, SOURCES),
@@ -114,25 +213,50 @@ def build(cxx: str | None = None) -> Path:
 
 
 @functools.cache
-def _load() -> str | None:
-    """Builds and registers the custom calls once; returns None, or why they are unavailable."""
+def _load(isa: str) -> str | None:
+    """Builds and registers one path's custom calls once; returns None, or why unavailable."""
     try:
-        lib = ctypes.cdll.LoadLibrary(str(build()))
-        for target, symbol in TARGETS.items():
+        lib = ctypes.cdll.LoadLibrary(str(build(isa=isa)))
+        lib.PagedjaxKernelIsa.restype = ctypes.c_char_p
+        built = lib.PagedjaxKernelIsa().decode()
+        if built != isa:
+            raise RuntimeError(f"the {isa} build of the CPU kernels reports ISA {built!r}")
+        for name, symbol in TARGETS.items():
             jax.ffi.register_ffi_target(
-                target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu"
+                target_name(name, isa), jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu"
             )
     except (RuntimeError, OSError, AttributeError) as e:
-        logger.warning("native CPU kernels unavailable, using the XLA path: %s", e)
+        logger.warning("native CPU kernels (%s) unavailable, using the XLA path: %s", isa, e)
         return str(e)
     return None
 
 
-def available() -> bool:
-    """True when the kernel library is built and registered (builds it on the first call)."""
-    return _load() is None
+def target_name(name: str, isa: str) -> str:
+    """The FFI target name of kernel `name` (a key of TARGETS) in the build of `isa`."""
+    return f"{name}_{isa}"
 
 
-def unavailable_reason() -> str | None:
-    """Why the kernels are unavailable (the compiler's complaint), or None when available."""
-    return _load()
+def target(name: str, isa: str | None = None) -> str:
+    """The FFI target name of kernel `name` (a key of TARGETS) for an ISA path (None:
+    `default_isa()`), its library built and registered.
+
+    Raises:
+        RuntimeError: that path's library is unavailable (the compiler's complaint).
+        ValueError: an ISA path this CPU cannot run.
+    """
+    isa = resolve_isa(isa or default_isa())
+    reason = _load(isa)
+    if reason is not None:
+        raise RuntimeError(f"native CPU kernels ({isa}) unavailable: {reason}")
+    return target_name(name, isa)
+
+
+def available(isa: str | None = None) -> bool:
+    """True when the library of an ISA path (None: `default_isa()`) is built and registered
+    (builds it on the first call)."""
+    return _load(resolve_isa(isa or default_isa())) is None
+
+
+def unavailable_reason(isa: str | None = None) -> str | None:
+    """Why the kernels of an ISA path are unavailable (the compiler's complaint), or None."""
+    return _load(resolve_isa(isa or default_isa()))

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from pagedjax.ops.cpu_kernels import available, unavailable_reason
+from pagedjax.ops import cpu_kernels
 from pagedjax.ops.quant import EXPERT_WEIGHTS, LINEAR_WEIGHTS
 
 TARGET = "pagedjax_linear_cpu"
@@ -139,6 +139,8 @@ def matmul(
     w: PackedWeight,
     layer: jax.Array | int = 0,
     num_rows: jax.Array | int | None = None,
+    *,
+    isa: str | None = None,
 ) -> jax.Array:
     """x @ W[layer], in float32, for the first `num_rows` rows of x.
 
@@ -149,23 +151,24 @@ def matmul(
         num_rows: scalar int32 (traced or not): only rows [0, num_rows) of x are multiplied,
             the others give zeros; clipped to [0, M]. None: all M. A step padded to its
             shape bucket passes its number of real tokens, so padding costs no arithmetic.
+        isa: the kernel's ISA path (`cpu_kernels.ISAS`); None: `cpu_kernels.default_isa()`.
 
     Returns:
         [M, N] float32.
 
     Raises:
         RuntimeError: the kernels are unavailable (`cpu_kernels.available()` is False).
-        ValueError: w is not a `PackedWeight` ([L, K, N] float32), or the shapes disagree.
+        ValueError: w is not a `PackedWeight` ([L, K, N] float32), the shapes disagree, or
+            an ISA path this CPU cannot run.
     """
-    if not available():
-        raise RuntimeError(f"native CPU kernels unavailable: {unavailable_reason()}")
+    target = cpu_kernels.target(TARGET, isa)
     if not isinstance(w, PackedWeight) or len(w.shape) != 3:
         raise ValueError(f"native CPU matmul takes a PackedWeight of [L, K, N], not {w!r:.80}")
     if x.ndim != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(
             f"native CPU matmul: x [M, K] and w [L, K, N] disagree on K: {x.shape}, {w.shape}"
         )
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], w.n), jnp.float32))
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], w.n), jnp.float32))
     rows = x.shape[0] if num_rows is None else num_rows
     return call(
         x.astype(jnp.float32),

@@ -11,8 +11,13 @@ matmul. Weight kinds:
                `linear_backend="cpu"`), either a `LayerView` (layer i of a stacked
                [L, in, out] weight, read in place by the kernel) or a `PackedWeight` holding
                one weight ([in, out], or a stack of one, [1, in, out]: the LM head).
-A new kind (GGUF's quantized blocks, say) is one more branch of `linear` and, if it is stored
-stacked and read in place, of `reads_in_place`; nothing in the model changes.
+    gguf       GGUF quantized blocks kept as in the file (`ops.gguf_quant.GGUFWeight`): the
+               native kernel (`ops.cpu_gguf.matmul`) in steps of up to `cpu_gguf.MAX_TOKENS`
+               tokens when the weight is marked `native` (a stack then read in place, as a
+               `LayerView`), else the layer dequantized inside the step and XLA's dot
+               (`gguf_quant.matmul_xla`).
+A new kind is one more branch of `linear` and, if it is stored stacked and read in place, of
+`reads_in_place`; nothing in the model changes.
 
 Stacked weights and `lax.scan`: the model scans its layers over weights stacked on a leading
 L axis. `split_layers` splits those weights into the ones the scan slices (plain and quantized
@@ -32,10 +37,11 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from pagedjax.ops import cpu_linear
+from pagedjax.ops import cpu_gguf, cpu_linear
+from pagedjax.ops.gguf_quant import GGUFWeight, matmul_xla
 from pagedjax.ops.quant import QuantizedWeight, quantized_matmul
 
-Weight = Any  # jax.Array | QuantizedWeight | cpu_linear.PackedWeight | LayerView
+Weight = Any  # jax.Array | QuantizedWeight | cpu_linear.PackedWeight | GGUFWeight | LayerView
 
 
 @struct.dataclass
@@ -43,11 +49,12 @@ class LayerView:
     """Layer `index` of a stacked weight, read in place (a pytree).
 
     Attributes:
-        stack: a `cpu_linear.PackedWeight` of float32 [L, in, out].
+        stack: a `cpu_linear.PackedWeight` of float32 [L, in, out], or a native
+            `gguf_quant.GGUFWeight` of [L, out, row_bytes] blocks.
         index: scalar int32 (traced or not), the layer in [0, L).
     """
 
-    stack: cpu_linear.PackedWeight
+    stack: cpu_linear.PackedWeight | GGUFWeight
     index: jax.Array
 
     @property
@@ -80,6 +87,8 @@ def linear(x: jax.Array, w: Weight, *, num_rows: jax.Array | int | None = None) 
     """
     if isinstance(w, QuantizedWeight):
         return quantized_matmul(x, w)
+    if isinstance(w, GGUFWeight) or (isinstance(w, LayerView) and isinstance(w.stack, GGUFWeight)):
+        return _gguf_linear(x, w, num_rows)
     if isinstance(w, LayerView):
         # The kernel's gain is reading layer i in place; in a step of more than MAX_TOKENS
         # tokens the copy is small next to the dot and XLA's dot is as fast, so the layer is
@@ -102,10 +111,22 @@ def linear(x: jax.Array, w: Weight, *, num_rows: jax.Array | int | None = None) 
     return x @ w
 
 
+def _gguf_linear(x: jax.Array, w: GGUFWeight | LayerView, num_rows) -> jax.Array:
+    """A GGUF weight (one layer's, or a `LayerView` of a native stack): the native kernel for
+    a native weight in a step of up to `cpu_gguf.MAX_TOKENS` rows, else XLA."""
+    stack, index = (w.stack, w.index) if isinstance(w, LayerView) else (w, 0)
+    if stack.native and x.shape[0] <= cpu_gguf.MAX_TOKENS:
+        return cpu_gguf.matmul(x, stack, index, num_rows).astype(x.dtype)
+    if isinstance(w, LayerView):
+        stack = stack.replace(blocks=jax.lax.dynamic_index_in_dim(stack.blocks, index, 0, False))
+    return matmul_xla(x, stack)
+
+
 def reads_in_place(w: Weight) -> bool:
     """True for a stacked weight kind that `linear` reads layer by layer in place (a
-    `cpu_linear.PackedWeight` of [L, in, out]), which `lax.scan` must not slice."""
-    return isinstance(w, cpu_linear.PackedWeight)
+    `cpu_linear.PackedWeight` of [L, in, out], a native `GGUFWeight` stack), which `lax.scan`
+    must not slice."""
+    return isinstance(w, cpu_linear.PackedWeight) or (isinstance(w, GGUFWeight) and w.native)
 
 
 def split_layers(layers: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

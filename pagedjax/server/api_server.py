@@ -219,6 +219,8 @@ def build_app(
     api_key: str | None = None,
     chat_template: str | None = None,
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+    enable_auto_tool_choice: bool = False,
+    tool_call_parser: str | None = None,
 ) -> FastAPI:
     """The FastAPI app serving `engine` (see the module docstring).
 
@@ -227,6 +229,11 @@ def build_app(
         api_key: if set, `/v1/*` requires `Authorization: Bearer <api_key>`.
         chat_template: a Jinja template that replaces the tokenizer's chat template.
         max_request_body_bytes: larger request bodies are answered 413 before parsing.
+        enable_auto_tool_choice: serve `tool_choice="auto"` (needs `tool_call_parser`).
+        tool_call_parser: the parser of "auto" tool calls ("hermes", "llama3_json").
+
+    Raises:
+        ValueError: an unknown tool_call_parser, or auto tool choice without one.
     """
     name = engine.model_config.served_model_name
 
@@ -240,7 +247,7 @@ def build_app(
     if api_key:  # added last, so it runs first: no body is read without the key
         app.add_middleware(_ApiKeyMiddleware, api_key=api_key)
     completions = OpenAIServingCompletion(engine, name, chat_template)
-    chat = OpenAIServingChat(engine, name, chat_template)
+    chat = OpenAIServingChat(engine, name, chat_template, enable_auto_tool_choice, tool_call_parser)
     base = OpenAIServing(engine, name, chat_template)
     created = int(time.time())
 
@@ -337,15 +344,30 @@ def build_app(
 
 
 def _load_chat_template(value: str | None) -> str | None:
+    """The `--chat-template` value as template text: Jinja text itself (it holds "{{" or
+    "{%"), else the path of a file holding it.
+
+    Raises:
+        ValueError: a file that cannot be read, or text that is not valid Jinja.
+    """
     if value is None:
         return None
-    path = Path(value)
-    if path.suffix in (".jinja", ".j2", ".txt") or path.exists():
+    text = value
+    if "{{" not in value and "{%" not in value:
         try:
-            return path.read_text()
+            text = Path(value).read_text()
         except OSError as e:
-            raise ValueError(f"cannot read --chat-template {value!r}: {e}") from e
-    return value
+            raise ValueError(
+                f"cannot read --chat-template {value!r}: {e.strerror or e} (give a file, or the "
+                "template's Jinja text)"
+            ) from e
+    import jinja2
+
+    try:
+        jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"--chat-template is not a valid Jinja template: {e}") from e
+    return text
 
 
 def run_server(ns: argparse.Namespace, sock: socket.socket | None = None) -> int:
@@ -380,6 +402,8 @@ def run_server(ns: argparse.Namespace, sock: socket.socket | None = None) -> int
         api_key=ns.api_key,
         chat_template=chat_template,
         max_request_body_bytes=ns.max_request_body_bytes,
+        enable_auto_tool_choice=ns.enable_auto_tool_choice,
+        tool_call_parser=ns.tool_call_parser,
     )
     config = uvicorn.Config(
         app,

@@ -10,6 +10,9 @@ import argparse
 import errno
 import socket
 
+# the keys of pagedjax.server.tool_parsers.TOOL_PARSERS (not imported here: see above)
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")
+
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     """The server's own flags (vLLM's names); engine flags come from EngineArgs."""
@@ -21,6 +24,19 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=int, default=8000)
     g.add_argument("--api-key", default=None, help="Require this key (Bearer) on /v1/*.")
     g.add_argument("--chat-template", default=None, help="A chat template file or string.")
+    g.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='Serve tool_choice="auto" (the default with tools): the model decides, and its '
+        "output is read by --tool-call-parser.",
+    )
+    g.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=TOOL_CALL_PARSERS,
+        help="How the model writes tool calls: hermes (<tool_call>{...}</tool_call>: "
+        "Hermes, Qwen2.5, Qwen3) or llama3_json (Llama 3.1/3.2 JSON).",
+    )
     g.add_argument(
         "--shutdown-timeout",
         type=float,
@@ -67,9 +83,13 @@ def check_serve_args(ns: argparse.Namespace) -> socket.socket:
         The bound socket, for `run_server`.
 
     Raises:
-        ValueError: a missing model path or an address that cannot be bound.
+        ValueError: a missing model path, --enable-auto-tool-choice without
+            --tool-call-parser, or an address that cannot be bound.
     """
     from pagedjax.models.sources import resolve_model_source
+
+    if getattr(ns, "enable_auto_tool_choice", False) and ns.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json)")
 
     resolve_model_source(ns.model_tag if ns.model_tag is not None else ns.model)
     return bind_socket(ns.host, ns.port)

@@ -19,67 +19,39 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field
 
 from pagedjax.errors import InvalidInputError
-from pagedjax.sampling_params import RequestOutputKind, SamplingParams
+from pagedjax.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from pagedjax.server.constraints import check_tools, find_tool, request_constraint
+from pagedjax.server.protocol_base import OpenAIBaseModel, ResponseModel
+from pagedjax.server.protocol_tools import (
+    ChatCompletionTool,
+    DeltaToolCall,
+    NamedToolChoice,
+    ResponseFormat,
+    StructuredOutputsRequest,
+    ToolCall,
+    ToolCallIn,
+    ToolChoice,
+)
 
 MAX_N = 128  # OpenAI's limit on choices per request
 _INT64 = (-(2**63), 2**63 - 1)
 _INT32_MAX = 2**31 - 1
 
 
-class OpenAIBaseModel(BaseModel):
-    """Strict JSON types, no NaN/inf, text encodable as UTF-8, unknown fields kept (and
-    ignored)."""
-
-    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
-
-    @field_validator("*", mode="after")
-    @classmethod
-    def _encodable(cls, value: Any) -> Any:
-        if _has_unencodable_text(value):
-            raise ValueError("text must be valid Unicode (no unpaired UTF-16 surrogates)")
-        return value
-
-
-def _has_unencodable_text(value: Any) -> bool:
-    """Whether a string of `value` (or of its lists and dicts) cannot be encoded as UTF-8.
-    A list of numbers (token ids: the types are already checked) is not walked."""
-    if isinstance(value, str):
-        if value.isascii():
-            return False
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return True
-        return False
-    if isinstance(value, list):
-        if not value or isinstance(value[0], int | float):
-            return False
-        if isinstance(value[0], list) and value[0] and isinstance(value[0][0], int):
-            return False
-        return any(_has_unencodable_text(v) for v in value)
-    if isinstance(value, dict):
-        return any(_has_unencodable_text(k) or _has_unencodable_text(v) for k, v in value.items())
-    return False
-
-
-class _ResponseModel(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
 # --------------------------------------------------------------------------- errors
 
 
-class ErrorInfo(_ResponseModel):
+class ErrorInfo(ResponseModel):
     message: str
     type: str
     param: str | None = None
     code: str | int | None = None
 
 
-class ErrorResponse(_ResponseModel):
+class ErrorResponse(ResponseModel):
     """OpenAI's error body: `{"error": {"message", "type", "param", "code"}}`."""
 
     error: ErrorInfo
@@ -129,6 +101,14 @@ class SamplingRequest(OpenAIBaseModel):
     bad_words: list[str] | None = None
     priority: int = Field(0, ge=_INT64[0], le=_INT64[1])
     cache_salt: str | None = None
+    # constrained output: OpenAI's response_format, vLLM's structured_outputs
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+
+    def constraint(self) -> tuple[StructuredOutputsParams | None, str | None]:
+        """The output constraint and the field it came from (see
+        `constraints.request_constraint`)."""
+        return request_constraint(self.response_format, self.structured_outputs)
 
     def base_sampling_kwargs(self) -> dict[str, Any]:
         """The SamplingParams fields common to both endpoints (see `to_sampling_params`)."""
@@ -153,6 +133,7 @@ class SamplingRequest(OpenAIBaseModel):
             logit_bias=_logit_bias(self.logit_bias),
             allowed_token_ids=self.allowed_token_ids,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
+            structured_outputs=self.constraint()[0],
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
         )
 
@@ -231,13 +212,14 @@ class ContentPart(OpenAIBaseModel):
 
 
 class ChatMessage(OpenAIBaseModel):
+    """A message of the conversation; an assistant's may carry `tool_calls`, a tool's
+    result names the call it answers (`tool_call_id`)."""
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
-
-
-class ResponseFormat(OpenAIBaseModel):
-    type: Literal["text", "json_object", "json_schema"]
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -248,9 +230,11 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int | None = Field(None, ge=0, le=_INT64[1], description="<= max_logprobs")
     max_tokens: int | None = Field(None, ge=1, le=_INT64[1], description="Deprecated name.")
     max_completion_tokens: int | None = Field(None, ge=1, le=_INT64[1])
-    response_format: ResponseFormat | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[ChatCompletionTool] | None = Field(None, max_length=1024)
+    tool_choice: ToolChoice | None = Field(
+        None, description='Default: "auto" with tools, else "none".'
+    )
+    parallel_tool_calls: bool = True
     # vLLM extras
     prompt_logprobs: int | None = Field(None, ge=0, le=_INT64[1], description="<= max_logprobs")
     echo: bool = Field(
@@ -264,6 +248,24 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
+    @property
+    def effective_tool_choice(self) -> str | NamedToolChoice:
+        """`tool_choice`, or its default: "auto" when tools are given, else "none"."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
+
+    def constraint(self) -> tuple[StructuredOutputsParams | None, str | None]:
+        """The output constraint (response_format, structured_outputs, or a forced tool
+        call) and the field it came from."""
+        return request_constraint(
+            self.response_format,
+            self.structured_outputs,
+            self.tools,
+            self.effective_tool_choice,
+            self.parallel_tool_calls,
+        )
+
     def to_sampling_params(self, default_max_tokens: int | None = None) -> SamplingParams:
         """The request's SamplingParams; max_tokens is max_completion_tokens, else
         max_tokens, else default_max_tokens (None: all the room max_model_len leaves).
@@ -275,12 +277,12 @@ class ChatCompletionRequest(SamplingRequest):
         self.check_stream_options()
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs to be true")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise ValueError(f"response_format {self.response_format.type!r} is not supported")
         if self.tool_choice not in (None, "none") and not self.tools:
             raise InvalidInputError("when tool_choice is given, tools must be set", "tool_choice")
-        if self.tools and self.tool_choice != "none":  # OpenAI's default with tools: "auto"
-            raise ValueError("tool calling is not supported (only tool_choice='none')")
+        if self.tools:
+            check_tools(self.tools)
+        if isinstance(self.tool_choice, NamedToolChoice):
+            find_tool(self.tools, self.tool_choice)
         if self.chat_template is not None:
             raise ValueError("chat_template in a request is not accepted; use --chat-template")
         if self.add_generation_prompt and self.continue_final_message:
@@ -295,11 +297,13 @@ class ChatCompletionRequest(SamplingRequest):
 
 
 class TokenizeRequest(OpenAIBaseModel):
-    """`POST /tokenize`: a prompt, or chat messages rendered through the chat template."""
+    """`POST /tokenize`: a prompt, or chat messages (and tools) rendered through the chat
+    template."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[ChatCompletionTool] | None = Field(None, max_length=1024)
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -316,20 +320,20 @@ class DetokenizeRequest(OpenAIBaseModel):
 # --------------------------------------------------------------------------- responses
 
 
-class UsageInfo(_ResponseModel):
+class UsageInfo(ResponseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
 
 
-class CompletionLogprobs(_ResponseModel):
+class CompletionLogprobs(ResponseModel):
     text_offset: list[int] = Field(default_factory=list)
     token_logprobs: list[float | None] = Field(default_factory=list)
     tokens: list[str] = Field(default_factory=list)
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
-class PromptLogprob(_ResponseModel):
+class PromptLogprob(ResponseModel):
     """vLLM's per-token entry of `prompt_logprobs` (rank 1 is the most likely token)."""
 
     logprob: float
@@ -342,7 +346,7 @@ class PromptLogprob(_ResponseModel):
 PromptLogprobs = list[dict[str, PromptLogprob] | None]
 
 
-class CompletionChoice(_ResponseModel):
+class CompletionChoice(ResponseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
@@ -351,7 +355,7 @@ class CompletionChoice(_ResponseModel):
     prompt_logprobs: PromptLogprobs | None = None  # vLLM; in a stream: the first chunk
 
 
-class CompletionResponse(_ResponseModel):
+class CompletionResponse(ResponseModel):
     id: str
     object: Literal["text_completion"] = "text_completion"
     created: int = Field(default_factory=lambda: int(time.time()))
@@ -360,7 +364,7 @@ class CompletionResponse(_ResponseModel):
     usage: UsageInfo | None = None
 
 
-class TopLogprob(_ResponseModel):
+class TopLogprob(ResponseModel):
     token: str
     logprob: float
     bytes: list[int] | None = None
@@ -370,16 +374,17 @@ class TokenLogprob(TopLogprob):
     top_logprobs: list[TopLogprob] = Field(default_factory=list)
 
 
-class ChatLogprobs(_ResponseModel):
+class ChatLogprobs(ResponseModel):
     content: list[TokenLogprob] | None = None
 
 
-class ChatResponseMessage(_ResponseModel):
+class ChatResponseMessage(ResponseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None  # left out of the JSON when None
 
 
-class ChatChoice(_ResponseModel):
+class ChatChoice(ResponseModel):
     index: int
     message: ChatResponseMessage
     logprobs: ChatLogprobs | None = None
@@ -387,7 +392,7 @@ class ChatChoice(_ResponseModel):
     stop_reason: int | str | None = None
 
 
-class ChatCompletionResponse(_ResponseModel):
+class ChatCompletionResponse(ResponseModel):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=lambda: int(time.time()))
@@ -397,12 +402,13 @@ class ChatCompletionResponse(_ResponseModel):
     prompt_logprobs: PromptLogprobs | None = None  # vLLM's extra, for the one prompt
 
 
-class DeltaMessage(_ResponseModel):
+class DeltaMessage(ResponseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
-class ChatChunkChoice(_ResponseModel):
+class ChatChunkChoice(ResponseModel):
     index: int
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
@@ -410,7 +416,7 @@ class ChatChunkChoice(_ResponseModel):
     stop_reason: int | str | None = None
 
 
-class ChatCompletionChunk(_ResponseModel):
+class ChatCompletionChunk(ResponseModel):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
@@ -420,7 +426,7 @@ class ChatCompletionChunk(_ResponseModel):
     prompt_logprobs: PromptLogprobs | None = None  # in the first chunk only
 
 
-class ModelCard(_ResponseModel):
+class ModelCard(ResponseModel):
     id: str
     object: Literal["model"] = "model"
     created: int
@@ -430,17 +436,17 @@ class ModelCard(_ResponseModel):
     max_model_len: int | None = None
 
 
-class ModelList(_ResponseModel):
+class ModelList(ResponseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
 
 
-class TokenizeResponse(_ResponseModel):
+class TokenizeResponse(ResponseModel):
     count: int
     max_model_len: int
     tokens: list[int]
     token_strs: list[str] | None = None
 
 
-class DetokenizeResponse(_ResponseModel):
+class DetokenizeResponse(ResponseModel):
     prompt: str

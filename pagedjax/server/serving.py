@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
+import json
 import logging
 import math
 import uuid
@@ -70,12 +71,17 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
 
 
-def bad_input(e: ValueError, prompt_param: str = "prompt") -> APIError:
+def bad_input(
+    e: ValueError, prompt_param: str = "prompt", constraint_param: str | None = None
+) -> APIError:
     """The 400 for a refused input: an `InvalidInputError`'s `param` (its "prompt" renamed
-    to `prompt_param`, the endpoint's field), none for a plain ValueError."""
+    to `prompt_param`, the endpoint's field, and its "structured_outputs" to
+    `constraint_param`, the field the constraint came from), none for a plain ValueError."""
     param = e.param if isinstance(e, InvalidInputError) else None
     if param == "prompt":
         param = prompt_param
+    elif param == "structured_outputs" and constraint_param:
+        param = constraint_param
     return bad_request(str(e), param)
 
 
@@ -155,6 +161,7 @@ class OpenAIServing:
         priority: int,
         check_max_tokens: bool,
         prompt_param: str = "prompt",
+        constraint_param: str | None = None,
     ) -> list[RequestStream]:
         """Hands (request id, token-id prompt, SamplingParams) triples to the engine, which
         truncates (truncate_prompt_tokens) and validates them: all are queued, or none.
@@ -163,6 +170,8 @@ class OpenAIServing:
             check_max_tokens: the client gave max_tokens, so prompt + max_tokens above
                 max_model_len is refused (param "max_tokens") rather than capped.
             prompt_param: the request field the engine's "prompt" is ("messages" in chat).
+            constraint_param: the request field the output constraint came from (the
+                engine's refusal of a schema, regex or grammar names it).
 
         Raises:
             APIError 400: the engine refused an input (see `bad_input`).
@@ -172,7 +181,7 @@ class OpenAIServing:
                 requests, priority=priority, check_max_tokens=check_max_tokens
             )
         except ValueError as e:
-            raise bad_input(e, prompt_param) from e
+            raise bad_input(e, prompt_param, constraint_param) from e
 
     # ---------------------------------------------------------------- prompts
 
@@ -221,7 +230,10 @@ class OpenAIServing:
             if request.add_generation_prompt and request.continue_final_message:
                 raise bad_request("add_generation_prompt and continue_final_message are exclusive")
             ids = await self.render_chat_async(
-                request.messages, request.add_generation_prompt, request.continue_final_message
+                request.messages,
+                request.add_generation_prompt,
+                request.continue_final_message,
+                request.tools,
             )
         else:
             add = True if request.add_special_tokens is None else request.add_special_tokens
@@ -243,7 +255,7 @@ class OpenAIServing:
         messages: list[ChatMessage],
         add_generation_prompt: bool,
         continue_final_message: bool,
-        tools: list[dict[str, Any]] | None = None,
+        tools: Sequence[Any] | None = None,
         template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         """Token ids of a conversation rendered through the chat template.
@@ -257,7 +269,10 @@ class OpenAIServing:
             raise bad_request(
                 "the model has no chat template; start the server with --chat-template"
             )
-        conversation = [_message_dict(m, i) for i, m in enumerate(messages)]
+        conversation = [message_dict(m, i) for i, m in enumerate(messages)]
+        tools = [_tool_dict(t) for t in tools] if tools else None
+        if tools:
+            self._warn_if_template_ignores_tools(template if template is not None else tok)
         if continue_final_message and conversation[-1]["role"] != "assistant":
             raise bad_request("continue_final_message needs a final assistant message", "messages")
         kwargs = dict(template_kwargs or {})
@@ -281,6 +296,23 @@ class OpenAIServing:
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return list(ids)
+
+    def _warn_if_template_ignores_tools(self, template_or_tokenizer: Any) -> None:
+        """Logs once per server when the chat template never reads `tools` (requests are
+        then rendered without their tools; --chat-template can supply one that does)."""
+        if getattr(self, "_tools_warned", False):
+            return
+        source = template_or_tokenizer
+        if not isinstance(source, str):
+            source = getattr(source, "chat_template", None) or ""
+        if isinstance(source, dict):  # named templates: the "tool_use" one, else the default
+            source = source.get("tool_use") or source.get("default") or ""
+        if "tools" not in source:
+            logger.warning(
+                "the chat template does not render `tools`: requests with tools are rendered "
+                "without them (start the server with a --chat-template that renders them)"
+            )
+        self._tools_warned = True
 
     # ------------------------------------------------------------------ logprobs
 
@@ -336,7 +368,21 @@ def clamp_logprob(x: float) -> float:
     return _MIN_LOGPROB if math.isinf(x) or math.isnan(x) else max(x, _MIN_LOGPROB)
 
 
-def _message_dict(m: ChatMessage, i: int) -> dict[str, Any]:
+def _tool_dict(tool: Any) -> dict[str, Any]:
+    """A tool as chat templates read it: `{"type": "function", "function": {...}}`."""
+    if isinstance(tool, dict):
+        return tool
+    return tool.model_dump(exclude_none=True, by_alias=True)
+
+
+def message_dict(m: ChatMessage, i: int) -> dict[str, Any]:
+    """A message as chat templates read it: text parts joined, an assistant's `tool_calls`
+    with their arguments parsed into objects (as Hugging Face templates expect), a tool
+    message's `tool_call_id`.
+
+    Raises:
+        APIError 400: non-text content parts, tool-call arguments that are not JSON.
+    """
     content = m.content
     if isinstance(content, list):
         parts = []
@@ -351,6 +397,26 @@ def _message_dict(m: ChatMessage, i: int) -> dict[str, Any]:
     out: dict[str, Any] = {"role": m.role, "content": content if content is not None else ""}
     if m.name is not None:
         out["name"] = m.name
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    if m.tool_calls:
+        calls = []
+        for j, call in enumerate(m.tool_calls):
+            try:
+                arguments = json.loads(call.function.arguments)
+            except json.JSONDecodeError as e:
+                raise bad_request(
+                    f"messages[{i}].tool_calls[{j}].function.arguments is not valid JSON: {e}",
+                    "messages",
+                ) from e
+            entry = {
+                "type": "function",
+                "function": {"name": call.function.name, "arguments": arguments},
+            }
+            if call.id is not None:
+                entry["id"] = call.id
+            calls.append(entry)
+        out["tool_calls"] = calls
     return out
 
 

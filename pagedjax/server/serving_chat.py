@@ -10,7 +10,16 @@ vLLM's extras: `echo` starts each reply with the final message's content when th
 is the assistant's (streamed: a content chunk right after the role chunk), so that with
 `continue_final_message` the reply holds the whole continued message; `prompt_logprobs` comes
 back as the response's `prompt_logprobs` (streamed: in the first chunk). The chat template is
-rendered and tokenized off the event loop. `tool_choice` other than "none" needs `tools`.
+rendered and tokenized off the event loop.
+
+Constrained output (`response_format`, `structured_outputs`) is a `StructuredOutputsParams`
+the engine enforces (`constraints.py`). Tools are rendered through the chat template's
+`tools` argument. `tool_choice` "required" and a named function are enforced by a JSON
+schema built from the tools, and their output read by `RequiredToolParser` /
+`NamedToolParser`; "auto" (the default with tools) needs `--enable-auto-tool-choice` and
+reads the output with the `--tool-call-parser`'s parser; "none" reads nothing. Parsed calls
+come back as `message.tool_calls` with `finish_reason` "tool_calls"; a stream sends them as
+OpenAI's tool-call deltas (`ToolCallStreamer`), which concatenate to the same calls.
 """
 
 from __future__ import annotations
@@ -21,7 +30,7 @@ from collections.abc import AsyncIterator
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from pagedjax.engine.async_llm import EngineError, RequestStream
+from pagedjax.engine.async_llm import AsyncLLM, EngineError, RequestStream
 from pagedjax.outputs import CompletionOutput
 from pagedjax.server.protocol import (
     ChatChoice,
@@ -36,20 +45,77 @@ from pagedjax.server.protocol import (
     TopLogprob,
     UsageInfo,
 )
+from pagedjax.server.protocol_tools import NamedToolChoice
 from pagedjax.server.serving import (
     SSE_DONE,
     APIError,
     OpenAIServing,
     bad_input,
+    bad_request,
     clamp_logprob,
     merge_streams,
     random_id,
     sse,
 )
+from pagedjax.server.tool_parsers import (
+    TOOL_PARSERS,
+    NamedToolParser,
+    RequiredToolParser,
+    ToolCallStreamer,
+    ToolParser,
+)
 
 
 class OpenAIServingChat(OpenAIServing):
-    """Handles `ChatCompletionRequest`s (see the module docstring)."""
+    """Handles `ChatCompletionRequest`s (see the module docstring).
+
+    Args:
+        enable_auto_tool_choice: `tool_choice="auto"` is served (vLLM's flag).
+        tool_call_parser: the parser of "auto" tool calls, a key of `TOOL_PARSERS`.
+
+    Raises:
+        ValueError: an unknown parser, or auto tool choice without a parser.
+    """
+
+    def __init__(
+        self,
+        engine: AsyncLLM,
+        served_model_name: str,
+        chat_template: str | None,
+        enable_auto_tool_choice: bool = False,
+        tool_call_parser: str | None = None,
+    ):
+        super().__init__(engine, served_model_name, chat_template)
+        if tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(
+                f"unknown --tool-call-parser {tool_call_parser!r}; known: {sorted(TOOL_PARSERS)}"
+            )
+        if enable_auto_tool_choice and tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+        self.enable_auto_tool_choice = enable_auto_tool_choice
+        self.tool_call_parser = tool_call_parser
+
+    def tool_parser(self, request: ChatCompletionRequest) -> ToolParser | None:
+        """The parser of this request's tool calls (None: its output is plain content).
+
+        Raises:
+            APIError 400: "auto" tool choice on a server started without it.
+        """
+        choice = request.effective_tool_choice
+        if not request.tools or choice == "none":
+            return None
+        if choice == "required":
+            return RequiredToolParser()
+        if isinstance(choice, NamedToolChoice):
+            return NamedToolParser(choice.function.name)
+        if not self.enable_auto_tool_choice:
+            raise bad_request(
+                '"auto" tool choice (the default when tools are given) needs the server to be '
+                "started with --enable-auto-tool-choice and --tool-call-parser; or send "
+                'tool_choice "none", "required" or a named function',
+                "tool_choice",
+            )
+        return TOOL_PARSERS[self.tool_call_parser]()
 
     async def create(self, request: ChatCompletionRequest):
         """Returns a JSONResponse or a StreamingResponse; raises APIError for bad input."""
@@ -57,13 +123,15 @@ class OpenAIServingChat(OpenAIServing):
         self.warn_ignored_fields(request)
         try:
             params = request.to_sampling_params()  # max_tokens None: all the room left
+            source = request.constraint()[1]
         except ValueError as e:
             raise bad_input(e) from e
+        parser = self.tool_parser(request)
         ids = await self.render_chat_async(
             request.messages,
             request.add_generation_prompt,
             request.continue_final_message,
-            request.tools if request.tool_choice == "none" else None,
+            request.tools,
             request.chat_template_kwargs,
         )
         request_id = random_id("chatcmpl")
@@ -72,12 +140,13 @@ class OpenAIServingChat(OpenAIServing):
             request.priority,
             check_max_tokens=params.max_tokens is not None,
             prompt_param="messages",
+            constraint_param="tools" if source == "tool_choice" else source,
         )
         created = int(time.time())
         echo = _echo_text(request)
         if request.stream:
             return StreamingResponse(
-                self._stream(request, request_id, created, stream, echo),
+                self._stream(request, request_id, created, stream, echo, parser),
                 media_type="text/event-stream",
             )
         final = None
@@ -89,13 +158,16 @@ class OpenAIServingChat(OpenAIServing):
         choices = [
             ChatChoice(
                 index=o.index,
-                message=ChatResponseMessage(content=echo + o.text),
+                message=_message(o, echo, parser),
                 logprobs=self._logprobs(request, o),
                 finish_reason=o.finish_reason,
                 stop_reason=o.stop_reason,
             )
             for o in final.outputs
         ]
+        for c in choices:
+            if c.message.tool_calls and c.finish_reason == "stop":
+                c.finish_reason = "tool_calls"
         completion_tokens = sum(len(o.token_ids) for o in final.outputs)
         body = ChatCompletionResponse(
             id=request_id,
@@ -112,6 +184,9 @@ class OpenAIServingChat(OpenAIServing):
         data = body.model_dump()
         if request.prompt_logprobs is None:
             del data["prompt_logprobs"]  # OpenAI's shape unless asked for
+        for c in data["choices"]:
+            if c["message"]["tool_calls"] is None:
+                del c["message"]["tool_calls"]
         return JSONResponse(data)
 
     def _logprobs(self, request: ChatCompletionRequest, o: CompletionOutput) -> ChatLogprobs | None:
@@ -148,11 +223,14 @@ class OpenAIServingChat(OpenAIServing):
         created: int,
         stream: RequestStream,
         echo: str,
+        parser: ToolParser | None,
     ) -> AsyncIterator[str]:
         opts = request.stream_options
         include_usage = bool(opts and opts.include_usage)
         continuous = bool(opts and opts.continuous_usage_stats)
         completion_tokens = [0] * request.n
+        streamers = [ToolCallStreamer(parser) for _ in range(request.n)] if parser else None
+        texts = [""] * request.n  # each choice's output so far (read by the tool parser)
         prompt_tokens = 0  # the engine's count (after truncation), from the first output
 
         def usage() -> UsageInfo:
@@ -170,11 +248,16 @@ class OpenAIServingChat(OpenAIServing):
                 usage=usage() if with_usage else None,
                 prompt_logprobs=prompt_logprobs,
             )
-            data = body.model_dump()
+            data = body.model_dump(exclude={"choices": {"__all__": {"delta": {"tool_calls"}}}})
             if prompt_logprobs is None:
                 del data["prompt_logprobs"]
-            for c in data["choices"]:  # a delta names only what it carries
+            for c, choice in zip(data["choices"], choices, strict=True):
+                # a delta names only what it carries
                 c["delta"] = {k: v for k, v in c["delta"].items() if v is not None}
+                if choice.delta.tool_calls:
+                    c["delta"]["tool_calls"] = [
+                        t.model_dump(exclude_none=True) for t in choice.delta.tool_calls
+                    ]
             return sse(json.dumps(data, ensure_ascii=False))
 
         try:
@@ -193,6 +276,11 @@ class OpenAIServingChat(OpenAIServing):
                             yield chunk([echoed], continuous)
                 for o in out.outputs:
                     completion_tokens[o.index] += len(o.token_ids)
+                    if streamers is not None:
+                        texts[o.index] += o.text
+                        for c in self._tool_chunks(request, o, texts[o.index], streamers):
+                            yield chunk([c], continuous)
+                        continue
                     if not o.text and o.finish_reason is None and not request.logprobs:
                         continue  # e.g. a token that ends inside a UTF-8 character
                     choice = ChatChunkChoice(
@@ -208,6 +296,45 @@ class OpenAIServingChat(OpenAIServing):
         except EngineError as e:
             yield sse(APIError(500, str(e), type="server_error").body.model_dump_json())
         yield SSE_DONE
+
+    def _tool_chunks(
+        self,
+        request: ChatCompletionRequest,
+        o: CompletionOutput,
+        text: str,
+        streamers: list[ToolCallStreamer],
+    ) -> list[ChatChunkChoice]:
+        """The chunks of one step of a choice read by a tool parser: its content and
+        tool-call deltas; the step's logprobs go with the first, the finish reason with the
+        last ("tool_calls" when calls were sent and the output stopped)."""
+        streamer = streamers[o.index]
+        final = o.finish_reason is not None
+        deltas = [
+            DeltaMessage(content=content) if tool is None else DeltaMessage(tool_calls=[tool])
+            for content, tool in streamer.update(text, final)
+        ]
+        if not deltas and (final or (request.logprobs and o.token_ids)):
+            deltas = [DeltaMessage()]
+        out = [ChatChunkChoice(index=o.index, delta=d) for d in deltas]
+        if out:
+            out[0].logprobs = self._logprobs(request, o)
+        if final:
+            reason = o.finish_reason
+            if streamer.tools_called and reason == "stop":
+                reason = "tool_calls"
+            out[-1].finish_reason, out[-1].stop_reason = reason, o.stop_reason
+        return out
+
+
+def _message(o: CompletionOutput, echo: str, parser: ToolParser | None) -> ChatResponseMessage:
+    """The reply of one finished choice: its text, or with a tool parser the content and
+    calls it reads (an output whose calls do not parse is all content)."""
+    if parser is None:
+        return ChatResponseMessage(content=echo + o.text)
+    content, calls = parser.extract(o.text)
+    if echo:
+        content = echo + (content or "")
+    return ChatResponseMessage(content=content, tool_calls=calls or None)
 
 
 def _echo_text(request: ChatCompletionRequest) -> str:

@@ -13,27 +13,31 @@
 //     `pack`; the engine holds its float32 weights this way under the "cpu" backend): a
 //     micro-panel of NR = 16 columns is one sequential stream, which the hardware prefetcher
 //     follows, and nothing of W is copied per call;
-//   - x [M, K] is packed once per call into micro-panels of MR = 6 rows, k-major
-//     (xp[m / 6][k][6], zero rows past M), so the micro-kernel reads it as one stream;
+//   - x [M, K] is packed once per call into micro-panels of MR rows, k-major
+//     (xp[m / MR][k][MR], zero rows past M), so the micro-kernel reads it as one stream;
 //   - a work item is up to NC = 64 output columns (fewer when W is narrow, so that each
 //     thread gets about eight); for each KC = 256 slice of K, each 16 KB slice of a panel
-//     stays in L1 while the row blocks of x pass over it, MC = 96 rows at a time so that
+//     stays in L1 while the row blocks of x pass over it, MC = 8 MR rows at a time so that
 //     those stay in L2;
-//   - the micro-kernel keeps a 6 x 16 block of y in twelve 8-float registers and does
-//     12 fused multiply-adds per k from one 16-float row of W and six broadcasts of x.
+//   - the micro-kernel keeps an MR x (PW * 16) block of y in registers and does its fused
+//     multiply-adds per k from PW 16-float rows of W and MR broadcasts of x; MR and PW
+//     per ISA path (simd.h): AVX-512 12 x 32 in 24 of 32 zmm registers, AVX2 6 x 16 in
+//     12 of 16 ymm registers, portable 3 x 16 in 4-float vectors.
 // Only the first `rows` rows of x are multiplied (a runtime operand: a step padded to its
 // shape bucket passes its number of real tokens); the rows past it are written as zeros.
 // Work items are spread over XLA's intra-op thread pool.
 //
-// Built on first use by pagedjax/ops/cpu_kernels.py (g++ -O3 -march=native).
+// Built on first use by pagedjax/ops/cpu_kernels.py (g++ -O3, the flags of an ISA path).
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <utility>
 #include <vector>
 
 #include "simd.h"
@@ -43,42 +47,64 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t MR = 6;    // rows of x per micro-kernel call
-constexpr int64_t NR = 16;   // columns of W per micro-panel
-constexpr int64_t KC = 256;  // depth of one slice of a W panel
-constexpr int64_t MC = 96;   // rows of x per pass over an item's panels (a multiple of MR)
-constexpr int64_t NP = 4;    // micro-panels per work item at most (NC = NP * NR columns)
+// Register blocking per ISA path (simd.h): a micro-tile is MR rows of x by PW panels of
+// NR = 16 columns of W, MR * PW * NR / kVecFloats accumulators: AVX-512 12 x 32 (24 of its
+// 32 registers), AVX2 6 x 16 (12 of 16), portable 3 x 16 (12 of SSE's / NEON's 16+).
+// Every element of y is one chain of fused multiply-adds over k in order, whichever
+// micro-kernel or row count computes it: a row's result does not depend on the other rows.
+#if defined(PAGEDJAX_ISA_AVX512)
+constexpr int64_t MR = 12;
+constexpr int PW = 2;
+#elif defined(PAGEDJAX_ISA_AVX2)
+constexpr int64_t MR = 6;
+constexpr int PW = 1;
+#else
+constexpr int64_t MR = 3;
+constexpr int PW = 1;
+#endif
+constexpr int64_t NR = 16;       // columns of W per micro-panel (the packed layout)
+constexpr int NV = NR / kVecFloats;  // vectors per panel row
+constexpr int64_t KC = 256;      // depth of one slice of a W panel
+constexpr int64_t MC = 8 * MR;   // rows of x per pass over an item's panels
+constexpr int64_t NP = 4;        // micro-panels per work item at most (NC = NP * NR columns)
 
-// y[0:R, 0:16] (+)= xp[0:kc][0:R] @ wp[0:kc][0:16]; ldy is y's row stride.
-template <int R>
-void Micro(const float* __restrict xp, const float* __restrict wp, int64_t kc, float* __restrict y,
-           int64_t ldy, bool accumulate) {
-  v8 acc0[R], acc1[R];
-  for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = v8{};
+// y[0:R, 0:P * 16] (+)= xp[0:kc][0:R] @ (P panels wp, wp + pstride, ...)[0:kc][0:16];
+// ldy is y's row stride.
+template <int R, int P>
+void Micro(const float* __restrict xp, const float* __restrict wp, int64_t pstride, int64_t kc,
+           float* __restrict y, int64_t ldy, bool accumulate) {
+  vf acc[R][P * NV];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < P * NV; ++j) acc[r][j] = vf{};
   for (int64_t k = 0; k < kc; ++k) {
-    const v8 w0 = *reinterpret_cast<const v8*>(wp + NR * k);
-    const v8 w1 = *reinterpret_cast<const v8*>(wp + NR * k + 8);
+    vf w[P * NV];
+    for (int q = 0; q < P; ++q)
+      for (int v = 0; v < NV; ++v) w[q * NV + v] = VLoad(wp + q * pstride + NR * k + v * kVecFloats);
     for (int r = 0; r < R; ++r) {
-      const float s = xp[MR * k + r];
-      const v8 xs = {s, s, s, s, s, s, s, s};
-      acc0[r] += xs * w0;
-      acc1[r] += xs * w1;
+      const vf xs = Splat(xp[MR * k + r]);
+      for (int j = 0; j < P * NV; ++j) acc[r][j] += xs * w[j];
     }
   }
   for (int r = 0; r < R; ++r) {
     float* row = y + r * ldy;
-    if (accumulate) {
-      acc0[r] += Load(row);
-      acc1[r] += Load(row + 8);
-    }
-    Store(row, acc0[r]);
-    Store(row + 8, acc1[r]);
+    for (int q = 0; q < P; ++q)
+      for (int v = 0; v < NV; ++v) {
+        float* dst = row + q * NR + v * kVecFloats;
+        vf a = acc[r][q * NV + v];
+        if (accumulate) a += VLoad(dst);
+        VStore(dst, a);
+      }
   }
 }
 
-typedef void (*MicroFn)(const float*, const float*, int64_t, float*, int64_t, bool);
-constexpr MicroFn kMicro[MR + 1] = {nullptr,  Micro<1>, Micro<2>, Micro<3>,
-                                    Micro<4>, Micro<5>, Micro<6>};
+typedef void (*MicroFn)(const float*, const float*, int64_t, int64_t, float*, int64_t, bool);
+
+template <int P, size_t... I>
+constexpr auto MicroTable(std::index_sequence<I...>) {
+  return std::array<MicroFn, MR + 1>{nullptr, Micro<int(I) + 1, P>...};
+}
+constexpr auto kMicro1 = MicroTable<1>(std::make_index_sequence<MR>{});  // one panel
+constexpr auto kMicroW = MicroTable<PW>(std::make_index_sequence<MR>{});  // PW panels
 
 struct Problem {
   const float* x;  // [M, K]
@@ -104,31 +130,37 @@ void PackX(Problem& p) {
 
 // Output columns [j0, j0 + cols), cols <= item_cols.
 void RunItem(const Problem& p, int64_t j0, int64_t cols) {
-  alignas(32) float tile[MR * NR];  // a partial micro-panel's output, before its copy to y
+  alignas(64) float tile[MR * NR];  // a partial micro-panel's output, before its copy to y
   const int64_t panels = (cols + NR - 1) / NR;
+  const int64_t pstride = p.K * NR;  // floats between consecutive panels
   for (int64_t k0 = 0; k0 < p.K; k0 += KC) {
     const int64_t kc = std::min(KC, p.K - k0);
     for (int64_t mc0 = 0; mc0 < p.M; mc0 += MC) {
       const int64_t mc1 = std::min(p.M, mc0 + MC);
-      for (int64_t q = 0; q < panels; ++q) {
+      for (int64_t q = 0; q < panels;) {
         const int64_t c0 = j0 + q * NR;
         const int64_t width = std::min(NR, cols - q * NR);
-        const float* panel = p.w + (c0 / NR) * p.K * NR + k0 * NR;
+        // PW full panels at once where the item has them, else one.
+        const bool wide = cols - q * NR >= PW * NR;
+        const int64_t step = wide ? PW : 1;
+        const float* panel = p.w + (c0 / NR) * pstride + k0 * NR;
         for (int64_t m0 = mc0; m0 < mc1; m0 += MR) {
           const int64_t rows = std::min(MR, p.M - m0);
-          const MicroFn micro = kMicro[rows];
           const float* xp = p.xp.data() + m0 * p.K + k0 * MR;
           float* y = p.y + m0 * p.N + c0;
-          if (width == NR) {
-            micro(xp, panel, kc, y, p.N, k0 > 0);
+          if (wide) {
+            kMicroW[rows](xp, panel, pstride, kc, y, p.N, k0 > 0);
+          } else if (width == NR) {
+            kMicro1[rows](xp, panel, pstride, kc, y, p.N, k0 > 0);
           } else {
             for (int64_t r = 0; r < rows; ++r)
               for (int64_t c = 0; c < NR; ++c) tile[r * NR + c] = c < width ? y[r * p.N + c] : 0.0f;
-            micro(xp, panel, kc, tile, NR, k0 > 0);
+            kMicro1[rows](xp, panel, pstride, kc, tile, NR, k0 > 0);
             for (int64_t r = 0; r < rows; ++r)
               std::memcpy(y + r * p.N, tile + r * NR, width * sizeof(float));
           }
         }
+        q += step;
       }
     }
   }
@@ -185,7 +217,7 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
   PackX(p);
   // Narrow items when W has few columns, so that every thread gets several (load balance).
   const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
-  p.item_cols = NR * std::clamp<int64_t>(p.N / (NR * 8 * threads), 1, NP);
+  p.item_cols = NR * PW * std::clamp<int64_t>(p.N / (NR * PW * 8 * threads), 1, NP / PW);
   shared->items = (p.N + p.item_cols - 1) / p.item_cols;
   const int64_t helpers = std::min<int64_t>(pool.num_threads(), shared->items) - 1;
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([shared] { Drain(*shared); });
@@ -196,6 +228,9 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
 }
 
 }  // namespace
+
+// The ISA path this library was built for ("avx512", "avx2" or "portable"; see simd.h).
+extern "C" const char* PagedjaxKernelIsa() { return kIsaName; }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LinearCpu, Linear,
                               ffi::Ffi::Bind()

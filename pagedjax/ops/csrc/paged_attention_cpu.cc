@@ -11,8 +11,8 @@
 // to back) in two passes (the "safe softmax" of Milakov & Gimelshein, 2018, as in vLLM's CPU
 // paged attention): scores q.k of every visible position, their max, then exp(score - max)
 // weights applied to V, normalised by their sum at the end. The inner loops keep one head's
-// query (pass 1) or output accumulator (pass 2) in registers as 8-float vectors (GCC/Clang
-// vector extensions, mapped to the machine's SIMD) while the block's rows stream past; a
+// query (pass 1) or output accumulator (pass 2) in registers as vectors of the build's ISA path
+// (simd.h: 16, 8 or 4 floats) while the block's rows stream past; a
 // block read once serves every query and head of the item. Items are spread over XLA's
 // intra-op thread pool.
 //
@@ -23,7 +23,11 @@
 // Logit soft-cap (an attribute, 0 for none): scores = cap * tanh(scores / cap) before the
 // max, as in Gemma 2.
 //
-// Built on first use by pagedjax/ops/cpu_attention.py (g++ -O3 -march=native).
+// Cache dtypes: float32 is read in place; bfloat16 and float8 (e4m3fn, e5m2) blocks are
+// converted to float32 once per item and block into an L1-sized tile, float8 in vector
+// registers (simd.h `Float8ToFloat`), so a float8 cache moves a quarter of float32's bytes.
+//
+// Built on first use by pagedjax/ops/cpu_kernels.py (g++ -O3, the flags of an ISA path).
 
 #include <algorithm>
 #include <atomic>
@@ -42,38 +46,30 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-inline float Sum(v8 x) {
-  float s = 0.0f;
-  for (int i = 0; i < 8; ++i) s += x[i];
-  return s;
-}
-
-typedef int32_t i8v __attribute__((vector_size(32)));
-
-// exp(x) of 8 floats, x <= 0 (scores minus their max): 2^n * e^r with n = round(x / ln 2),
+// exp(x) of kVecFloats floats, x <= 0 (scores minus their max): 2^n * e^r with n = round(x / ln 2),
 // r = x - n ln 2 in [-ln2/2, ln2/2] (ln 2 split in two for exactness, after Cephes' expf),
 // e^r by its degree-6 Taylor polynomial; 2^n is added to the exponent bits. Relative error
 // at most 2.2e-7 against double-precision exp over [-87, 0]; below -87 it returns 0.
-inline v8 Exp(v8 x) {
-  const i8v underflow = x < -87.0f;  // lanes of all ones where exp(x) < 2^-125
-  x = underflow ? v8{} - 87.0f : x;
-  const i8v n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, i8v);  // x <= 0
-  const v8 nf = __builtin_convertvector(n, v8);
-  const v8 r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
-  const v8 e = 1.0f + r * (1.0f + r * (0.5f + r * (1.0f / 6 + r * (1.0f / 24 +
+inline vf Exp(vf x) {
+  const vi underflow = x < -87.0f;  // lanes of all ones where exp(x) < 2^-125
+  x = underflow ? vf{} - 87.0f : x;
+  const vi n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, vi);  // x <= 0
+  const vf nf = __builtin_convertvector(n, vf);
+  const vf r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
+  const vf e = 1.0f + r * (1.0f + r * (0.5f + r * (1.0f / 6 + r * (1.0f / 24 +
                          r * (1.0f / 120 + r * (1.0f / 720))))));
-  const v8 scaled = (v8)((i8v)e + (n << 23));  // e * 2^n
-  return underflow ? v8{} : scaled;
+  const vf scaled = (vf)((vi)e + (n << 23));  // e * 2^n
+  return underflow ? vf{} : scaled;
 }
 
-// tanh(x) of 8 floats: Cephes' odd polynomial (tanhf) for |x| < 0.625; above it
+// tanh(x) of kVecFloats floats: Cephes' odd polynomial (tanhf) for |x| < 0.625; above it
 // (1 - e) / (1 + e) with e = exp(-2|x|) (no cancellation there: e < 0.29), the sign restored.
-inline v8 Tanh(v8 x) {
-  const v8 a = x < 0.0f ? -x : x;
-  const v8 e = Exp(-2.0f * a);
-  const v8 big = (1.0f - e) / (1.0f + e);
-  const v8 s = x * x;
-  const v8 small = ((((-5.70498872745e-3f * s + 2.06390887954e-2f) * s - 5.37397155531e-2f) * s +
+inline vf Tanh(vf x) {
+  const vf a = x < 0.0f ? -x : x;
+  const vf e = Exp(-2.0f * a);
+  const vf big = (1.0f - e) / (1.0f + e);
+  const vf s = x * x;
+  const vf small = ((((-5.70498872745e-3f * s + 2.06390887954e-2f) * s - 5.37397155531e-2f) * s +
                      1.33314422036e-1f) * s - 3.33332819422e-1f) * s * x + x;
   return a < 0.625f ? small : (x < 0.0f ? -big : big);
 }
@@ -83,7 +79,6 @@ struct Problem {
   const void* k;             // caches [L, NB, BS, K, H]
   const void* v;
   ffi::DataType dtype;       // of the caches
-  const float* lut;          // float8: the value of each byte
   int64_t layer;
   const int32_t* seq_lens;   // [S] context length after the step
   const int32_t* qsl;        // [S + 1] query_start_loc
@@ -102,7 +97,20 @@ struct Item {
 };
 
 // The first `rows` rows ([rows, K * H]) of a cache block as float32: in place for a float32
-// cache, else converted into `tmp` (bfloat16 by bit shift, float8 through the byte table).
+// cache, else converted into `tmp` (bfloat16 by bit shift, float8 in registers).
+template <int E, int M, int B>
+void Float8Rows(const uint8_t* src, int64_t n, float* tmp) {
+  int64_t i = 0;
+  for (; i + kVecFloats <= n; i += kVecFloats) VStore(tmp + i, Float8ToFloat<E, M, B>(src + i));
+  if (i < n) {  // the tail through a padded copy
+    alignas(64) uint8_t last[kVecFloats] = {};
+    alignas(64) float vals[kVecFloats];
+    for (int64_t j = i; j < n; ++j) last[j - i] = src[j];
+    VStore(vals, Float8ToFloat<E, M, B>(last));
+    for (int64_t j = i; j < n; ++j) tmp[j] = vals[j - i];
+  }
+}
+
 const float* BlockRows(const Problem& p, const void* cache, int64_t page, int64_t rows,
                        float* tmp) {
   const int64_t KH = p.K * p.H;
@@ -118,23 +126,24 @@ const float* BlockRows(const Problem& p, const void* cache, int64_t page, int64_
       }
       return tmp;
     }
-    default: {
-      const uint8_t* src = static_cast<const uint8_t*>(cache) + start;
-      for (int64_t i = 0; i < n; ++i) tmp[i] = p.lut[src[i]];
+    case ffi::DataType::F8E5M2:
+      Float8Rows<5, 2, 15>(static_cast<const uint8_t*>(cache) + start, n, tmp);
       return tmp;
-    }
+    default:  // F8E4M3FN
+      Float8Rows<4, 3, 7>(static_cast<const uint8_t*>(cache) + start, n, tmp);
+      return tmp;
   }
 }
 
 // One item. Query i of the sequence sits at position len - qlen + i and attends to positions
 // [0, that] (under a window: [that - window + 1, that]); the item reads the context from the
 // block of its first query's first position up to its last query's position. Scores,
-// weights and accumulators are kept per row r = qi * N + n. Head dim in 8-float vectors: a compile-time
-// HV lets the compiler keep a query (pass 1) or an accumulator (pass 2) in registers; HV = 0
+// weights and accumulators are kept per row r = qi * N + n. Head dim in vectors of kVecFloats:
+// a compile-time HV lets the compiler keep a query (pass 1) or an accumulator (pass 2) in registers; HV = 0
 // is the generic path (any head dim, scalar loops).
 template <int HV>
 void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch) {
-  const int64_t H = HV ? HV * 8 : p.H, N = p.N, G = p.G, KH = p.K * H, BS = p.BS;
+  const int64_t H = HV ? HV * kVecFloats : p.H, N = p.N, G = p.G, KH = p.K * H, BS = p.BS;
   const int64_t s = it.s, nq = it.nq;
   const int64_t qlen = p.qsl[s + 1] - p.qsl[s];
   const int64_t first_pos = p.seq_lens[s] - qlen + it.q0;  // position of the item's query 0
@@ -194,16 +203,16 @@ void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch) {
     const float* qr = q + r * H;
     float* sr = scores + r * width + (pos0 - base);
     if constexpr (HV > 0) {
-      v8 qv[HV];
-      for (int i = 0; i < HV; ++i) qv[i] = Load(qr + 8 * i) * p.score_scale;
+      vf qv[HV];
+      for (int i = 0; i < HV; ++i) qv[i] = VLoad(qr + kVecFloats * i) * p.score_scale;
       for (int64_t t = t0; t < t1; ++t) {
         const float* kr = kn + t * KH;
-        v8 d0 = qv[0] * Load(kr), d1 = {};
+        vf d0 = qv[0] * VLoad(kr), d1 = {};
         for (int i = 1; i < HV; ++i) {
-          if (i % 2) d1 += qv[i] * Load(kr + 8 * i);
-          else d0 += qv[i] * Load(kr + 8 * i);
+          if (i % 2) d1 += qv[i] * VLoad(kr + kVecFloats * i);
+          else d0 += qv[i] * VLoad(kr + kVecFloats * i);
         }
-        sr[t] = Sum(d0 + d1);
+        sr[t] = HSum(d0 + d1);
       }
     } else {
       for (int64_t t = t0; t < t1; ++t) {
@@ -225,19 +234,19 @@ void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch) {
     }
     if (cap > 0.0f) {
       int64_t i = lo;
-      for (; i + 8 <= hi; i += 8) Store(sr + i, cap * Tanh(Load(sr + i) * inv_cap));
+      for (; i + kVecFloats <= hi; i += kVecFloats) VStore(sr + i, cap * Tanh(VLoad(sr + i) * inv_cap));
       for (; i < hi; ++i) sr[i] = cap * std::tanh(sr[i] * inv_cap);
     }
     float mx = sr[lo];
     for (int64_t i = lo + 1; i < hi; ++i) mx = std::max(mx, sr[i]);
-    v8 sum8 = {};
+    vf sumv = {};
     int64_t i = lo;
-    for (; i + 8 <= hi; i += 8) {
-      const v8 e = Exp(Load(sr + i) - mx);
-      Store(sr + i, e);
-      sum8 += e;
+    for (; i + kVecFloats <= hi; i += kVecFloats) {
+      const vf e = Exp(VLoad(sr + i) - mx);
+      VStore(sr + i, e);
+      sumv += e;
     }
-    float sum = Sum(sum8);
+    float sum = HSum(sumv);
     for (; i < hi; ++i) {
       sr[i] = std::exp(sr[i] - mx);
       sum += sr[i];
@@ -250,13 +259,13 @@ void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch) {
     const float* wr = scores + r * width + (pos0 - base);
     float* ar = acc + r * H;
     if constexpr (HV > 0) {
-      v8 a[HV];
-      for (int i = 0; i < HV; ++i) a[i] = Load(ar + 8 * i);
+      vf a[HV];
+      for (int i = 0; i < HV; ++i) a[i] = VLoad(ar + kVecFloats * i);
       for (int64_t t = t0; t < t1; ++t) {
         const float w = wr[t];
-        for (int i = 0; i < HV; ++i) a[i] += w * Load(vn + t * KH + 8 * i);
+        for (int i = 0; i < HV; ++i) a[i] += w * VLoad(vn + t * KH + kVecFloats * i);
       }
-      for (int i = 0; i < HV; ++i) Store(ar + 8 * i, a[i]);
+      for (int i = 0; i < HV; ++i) VStore(ar + kVecFloats * i, a[i]);
     } else {
       for (int64_t t = t0; t < t1; ++t)
         for (int64_t h = 0; h < H; ++h) ar[h] += wr[t] * vn[t * KH + h];
@@ -269,14 +278,21 @@ void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch) {
 using ItemFn = void (*)(const Problem&, const Item&, std::vector<float>&);
 
 ItemFn PickItemFn(int64_t H) {
-  switch (H) {
-    case 16: return RunItem<2>;
-    case 32: return RunItem<4>;
-    case 64: return RunItem<8>;
-    case 80: return RunItem<10>;
-    case 96: return RunItem<12>;
-    case 128: return RunItem<16>;
-    case 256: return RunItem<32>;
+  if (H % kVecFloats) return RunItem<0>;
+  switch (H / kVecFloats) {
+    case 1: return RunItem<1>;
+    case 2: return RunItem<2>;
+    case 4: return RunItem<4>;
+    case 5: return RunItem<5>;
+    case 6: return RunItem<6>;
+    case 8: return RunItem<8>;
+    case 10: return RunItem<10>;
+    case 12: return RunItem<12>;
+    case 16: return RunItem<16>;
+    case 20: return RunItem<20>;
+    case 24: return RunItem<24>;
+    case 32: return RunItem<32>;
+    case 64: return RunItem<64>;
     default: return RunItem<0>;
   }
 }
@@ -312,7 +328,7 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
                           ffi::AnyBuffer v_cache, ffi::Buffer<ffi::S32> layer,
                           ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> query_start_loc,
                           ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> window,
-                          ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::F32> fp8_lut,
+                          ffi::Buffer<ffi::F32> scales,
                           ffi::ResultBuffer<ffi::F32> out, float sm_scale, float logit_soft_cap,
                           int64_t query_tile) {
   auto qd = q.dimensions();
@@ -340,7 +356,6 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
   if (p.layer < 0 || p.layer >= cd[0])
     return ffi::Error::InvalidArgument("paged attention: layer out of range");
   p.dtype = dt;
-  p.lut = fp8_lut.typed_data();
   p.k = k_cache.untyped_data();
   p.v = v_cache.untyped_data();
   p.q = q.typed_data();
@@ -392,7 +407,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedAttentionCpu, PagedAttention,
                                   .Arg<ffi::Buffer<ffi::S32>>()   // block_tables [S, B]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // window []: <= 0 full
                                   .Arg<ffi::Buffer<ffi::F32>>()   // scales [2]: k, v
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // fp8_lut [256]
                                   .Ret<ffi::Buffer<ffi::F32>>()   // out [T, N, H]
                                   .Attr<float>("sm_scale")
                                   .Attr<float>("logit_soft_cap")  // 0: none

@@ -1,7 +1,97 @@
-// 8-float vectors (GCC/Clang vector extensions, mapped to the machine's SIMD by -march=native)
-// and their unaligned loads and stores, shared by the native CPU kernels.
+// The vector width of the native CPU kernels, chosen at build time, and the vector types and
+// helpers the kernels share.
+//
+// ISA paths. The build (pagedjax/ops/cpu_kernels.py) compiles one library per path, defining
+// exactly one of these macros together with the compiler flags that enable its instructions:
+//   PAGEDJAX_ISA_AVX512    16-float vectors, 32 vector registers (x86 AVX-512 F/BW/VL/DQ + FMA);
+//                          flags: -march=native on such a CPU.
+//   PAGEDJAX_ISA_AVX2      8-float vectors, 16 vector registers (x86 AVX2 + FMA);
+//                          flags: -march=native -mno-avx512f.
+//   PAGEDJAX_ISA_PORTABLE  4-float GCC/Clang vectors, mapped by the compiler to whatever the
+//                          target has (SSE2, NEON) or to scalar code; flags: -march=native
+//                          -mno-avx on x86 (SSE4 at most), -march=native elsewhere.
+// A kernel written with `vf` (kVecFloats floats), `VLoad` / `VStore` / `Splat` / `HSum`
+// runs on every path; code that wants its own register blocking reads kVecFloats and
+// kVecRegs. Without a macro (a compile outside the build) the widest path the compiler's own
+// flags allow is taken; a macro the flags do not allow is an error.
+//
+// `v8` / `Load` / `Store` (8-float vectors) are kept for code written before the paths
+// existed; on the AVX-512 path they use the low half of the registers only.
 #pragma once
 
+#include <cstdint>
+
+#if !defined(PAGEDJAX_ISA_AVX512) && !defined(PAGEDJAX_ISA_AVX2) && \
+    !defined(PAGEDJAX_ISA_PORTABLE)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512DQ__) && defined(__FMA__)
+#define PAGEDJAX_ISA_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#define PAGEDJAX_ISA_AVX2 1
+#else
+#define PAGEDJAX_ISA_PORTABLE 1
+#endif
+#endif
+
+#if defined(PAGEDJAX_ISA_AVX512)
+#if !(defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+      defined(__AVX512DQ__) && defined(__FMA__))
+#error "PAGEDJAX_ISA_AVX512 needs -mavx512f -mavx512bw -mavx512vl -mavx512dq -mfma"
+#endif
+constexpr int kVecFloats = 16;
+constexpr int kVecRegs = 32;
+constexpr const char* kIsaName = "avx512";
+#elif defined(PAGEDJAX_ISA_AVX2)
+#if !(defined(__AVX2__) && defined(__FMA__)) || defined(__AVX512F__)
+#error "PAGEDJAX_ISA_AVX2 needs -mavx2 -mfma and no -mavx512f"
+#endif
+constexpr int kVecFloats = 8;
+constexpr int kVecRegs = 16;
+constexpr const char* kIsaName = "avx2";
+#else
+#if defined(__AVX__)
+#error "PAGEDJAX_ISA_PORTABLE is built with -mno-avx on x86"
+#endif
+constexpr int kVecFloats = 4;
+constexpr int kVecRegs = 16;
+constexpr const char* kIsaName = "portable";
+#endif
+
+// kVecFloats floats / int32s / bytes; the `u` types are the same, for unaligned memory.
+typedef float vf __attribute__((vector_size(4 * kVecFloats)));
+typedef float vfu __attribute__((vector_size(4 * kVecFloats), aligned(4)));
+typedef int32_t vi __attribute__((vector_size(4 * kVecFloats)));
+typedef uint8_t vb __attribute__((vector_size(kVecFloats)));
+typedef uint8_t vbu __attribute__((vector_size(kVecFloats), aligned(1)));
+
+inline vf VLoad(const float* p) { return *reinterpret_cast<const vfu*>(p); }
+inline void VStore(float* p, vf x) { *reinterpret_cast<vfu*>(p) = x; }
+inline vf Splat(float s) { return vf{} + s; }
+// Lanes summed in a fixed order (lane 0 first), so that a row's sum is the same in every call.
+inline float HSum(vf x) {
+  float s = 0.0f;
+  for (int i = 0; i < kVecFloats; ++i) s += x[i];
+  return s;
+}
+
+// float8 -> float32 of kVecFloats bytes, in registers, for a format with E exponent bits,
+// M mantissa bits and exponent bias B (e4m3fn: 4, 3, 7; e5m2: 5, 2, 15): a normal number
+// moves its exponent and mantissa bits into float32's fields and rebiases the exponent by an
+// integer add; a subnormal one (exponent 0) is m * 2^(1 - B - M), exact in float32. Inf and
+// NaN bytes are not special-cased (a quantized cache is saturated to finite values).
+template <int E, int M, int B>
+inline vf Float8ToFloat(const uint8_t* p) {
+  const vi x = __builtin_convertvector(*reinterpret_cast<const vbu*>(p), vi);
+  const vi sign = (x & 0x80) << 24;
+  const vi em = x & 0x7f;                  // exponent and mantissa bits
+  const vi normal = (em << (23 - M)) + ((127 - B) << 23);
+  const vf sub = __builtin_convertvector(em & ((1 << M) - 1), vf) *
+                 (1.0f / float(1ull << (B + M - 1)));  // m * 2^(1 - B - M)
+  const vi mag = (em >> M) == 0 ? (vi)sub : normal;
+  return (vf)(mag | sign);
+}
+
+// 8-float vectors, for code written before the paths existed.
 typedef float v8 __attribute__((vector_size(32)));
 typedef float v8u __attribute__((vector_size(32), aligned(4)));  // unaligned loads/stores
 

@@ -1,0 +1,289 @@
+"""Structured outputs: what a JSON-schema constraint costs, and what a slow grammar costs others.
+
+    python -m benchmarks.structured_outputs [--num-requests 64] [--reps 1]
+        [--out benchmarks/results/structured_outputs.json]
+
+One engine on the default model (SmolLM2-135M-Instruct) runs the standard workload
+(`workloads/standard.json`: exact prompt token ids, greedy, EOS ignored, output_len tokens
+each) in three variants, interleaved `--reps` times:
+
+    none      no request constrained
+    all       every request constrained by `SCHEMA` (a list of at least 64 person records:
+              strings with a length bound and a pattern, a bounded integer, an enum array, a
+              boolean), which cannot complete within 256 tokens, so each request still makes
+              exactly output_len tokens
+    one_in_8  requests 0, 8, 16, ... constrained, the others not
+
+For each: output tok/s, the mean step time, the time spent filling bitmasks (per step that had
+one, and its share of the wall time), and the grammar compile time (one compile: the schema is
+the same, the others hit the cache). The variants share one engine, so compile and warm-up are
+paid once, outside the timed runs.
+
+The device side alone (`mask_apply`): the jitted `ops.bitmask.maybe_apply_token_bitmask` on
+[S, 49152] float32 logits for S = 16, 64, 256, with the flag off (what a step without a
+constrained row runs) and on; medians of 50 calls after a warm-up.
+
+Then the slow-grammar check: 8 unconstrained streams decode; a request with a large schema
+(`big_schema(400)`: 400 nested objects, 0.2-0.5 s to compile) is added mid-stream. The gaps
+between consecutive tokens of the streams while the grammar compiles are compared with the
+median step time before it: the goal is that no gap exceeds one step time more than usual
+(the grammar compiles on the worker pool; the steps go on). The same with the compile done
+synchronously on the engine thread (as it would be without the pool) gives the contrast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+from benchmarks.common import STANDARD_WORKLOAD, environment, load_workload
+
+SCHEMA = {
+    "type": "array",
+    "minItems": 64,
+    "items": {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 24},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+            "email": {"type": "string", "pattern": "^[a-z0-9.]{1,16}@[a-z]{2,12}\\.(com|org|net)$"},
+            "tags": {"type": "array", "items": {"enum": ["admin", "user", "guest"]}, "maxItems": 3},
+            "active": {"type": "boolean"},
+        },
+        "required": ["name", "age", "email", "tags", "active"],
+        "additionalProperties": False,
+    },
+}
+
+
+def big_schema(n: int) -> dict:
+    """n required nested objects (5 patterned strings, a 30-value enum, a bounded number)."""
+    item = {
+        "type": "object",
+        "properties": {
+            **{f"s{j}": {"type": "string", "pattern": "[a-z]{3,9}-[0-9]{2,4}"} for j in range(5)},
+            "e": {"enum": [f"v{k}" for k in range(30)]},
+            "n": {"type": "number", "minimum": -5, "maximum": 1000},
+        },
+        "required": ["e"],
+    }
+    props = {f"field_{i}": dict(item) for i in range(n)}
+    return {"type": "object", "properties": props, "required": list(props)}
+
+
+def run_variant(llm, reqs: list[dict], every: int) -> dict:
+    """The workload with requests i % every == 0 constrained (every=0: none)."""
+    from pagedjax import SamplingParams
+    from pagedjax.sampling_params import StructuredOutputsParams
+
+    eng = llm.llm_engine
+    mgr = eng.structured_output
+    stats0 = dict(mgr.stats)
+    so = StructuredOutputsParams(json=SCHEMA)
+    t0 = time.perf_counter()
+    for i, r in enumerate(reqs):
+        constrained = every and i % every == 0
+        eng.add_request(
+            str(i),
+            {"prompt_token_ids": r["prompt_token_ids"]},
+            SamplingParams(
+                temperature=0.0,
+                ignore_eos=True,
+                max_tokens=r["output_len"],
+                structured_outputs=so if constrained else None,
+            ),
+        )
+    lens, texts, steps, step_s = {}, {}, 0, 0.0
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                lens[out.request_id] = len(out.outputs[0].token_ids)
+                texts[out.request_id] = out.outputs[0].text
+        steps += 1
+        step_s += eng.last_step_timing.total_s
+    wall = time.perf_counter() - t0
+    assert [lens[str(i)] for i in range(len(reqs))] == [r["output_len"] for r in reqs]
+    fills = mgr.stats["fills"] - stats0["fills"]
+    fill_s = mgr.stats["fill_s"] - stats0["fill_s"]
+    out_tokens = sum(r["output_len"] for r in reqs)
+    return {
+        "constrained_requests": sum(1 for i in range(len(reqs)) if every and i % every == 0),
+        "output_tokens": out_tokens,
+        "wall_s": wall,
+        "output_tokens_per_s": out_tokens / wall,
+        "steps": steps,
+        "mean_step_s": step_s / steps,
+        "steps_with_bitmask": fills,
+        "bitmask_fill_s_per_step": fill_s / fills if fills else 0.0,
+        "bitmask_fill_share_of_wall": fill_s / wall,
+        "grammar_compiles": mgr.stats["compiles"] - stats0["compiles"],
+        "grammar_compile_s": mgr.stats["compile_s"] - stats0["compile_s"],
+        "sample_output": texts.get("0", "")[:200],
+    }
+
+
+def slow_grammar(llm, reqs: list[dict], synchronous: bool) -> dict:
+    """8 unconstrained streams; a large-schema request added after 10 steps. Gaps between the
+    streams' steps while its grammar compiles, against the median step before."""
+    from pagedjax import SamplingParams
+    from pagedjax.sampling_params import StructuredOutputsParams
+
+    eng = llm.llm_engine
+    mgr = eng.structured_output
+    for i, r in enumerate(reqs[:8]):
+        eng.add_request(
+            f"s{i}",
+            {"prompt_token_ids": r["prompt_token_ids"][:32]},
+            SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=60),
+        )
+    stamps: list[float] = []  # when each step that gave the streams a token returned
+    added_at = ready_at = None
+    schema = big_schema(400 + synchronous)  # a new schema each time: no cache hit
+    so = StructuredOutputsParams(json=schema)
+    compiles0 = mgr.stats["compile_s"]
+    while eng.has_unfinished_requests():
+        outs = eng.step()
+        now = time.perf_counter()
+        if any(o.request_id.startswith("s") for o in outs):
+            stamps.append(now)
+        if len(stamps) == 10 and added_at is None:
+            added_at = time.perf_counter()
+            params = SamplingParams(temperature=0.0, max_tokens=8, structured_outputs=so)
+            eng.add_request("big", "Fill the form:", params)
+            if synchronous:  # what the engine thread would pay without the pool
+                mgr.wait_any([eng.scheduler.requests["big"].structured_output], 60)
+        waiting = eng.scheduler.stats().num_waiting_for_grammar
+        if added_at is not None and ready_at is None and waiting == 0:
+            ready_at = now
+    before = [b - a for a, b in zip(stamps[:9], stamps[1:10], strict=True)]
+    during = [b - a for a, b in zip(stamps, stamps[1:], strict=False) if added_at <= b <= ready_at]
+    during = during or [stamps[10] - stamps[9]]
+    step = statistics.median(before)
+    return {
+        "synchronous_compile": synchronous,
+        "median_step_before_s": step,
+        "compile_s": mgr.stats["compile_s"] - compiles0,
+        "grammar_wait_s": ready_at - added_at,
+        "max_gap_while_compiling_s": max(during),
+        "gaps_while_compiling_s": during,
+        "max_gap_over_median_step": max(during) / step,
+    }
+
+
+def mask_apply(rows=(16, 64, 256), vocab: int = 49152, calls: int = 30) -> list[dict]:
+    """Seconds per call of greedy sampling (an argmax over [S, V] float32 logits) alone
+    (`base_s`), behind the step's masking with the flag off and an all-ones mask already on
+    the device (`off_s`, a step without constrained rows), and with the flag on and a mask
+    sent from the host (`on_s`)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from pagedjax.ops.bitmask import maybe_apply_token_bitmask
+
+    base = jax.jit(lambda x: jnp.argmax(x, axis=-1))
+    masked = jax.jit(lambda x, m, f: jnp.argmax(maybe_apply_token_bitmask(x, m, f), axis=-1))
+    out = []
+    for S in rows:
+        rng = np.random.default_rng(S)
+        logits = jax.device_put(rng.standard_normal((S, vocab)).astype(np.float32))
+        host_mask = rng.integers(-(2**31), 2**31, size=(S, (vocab + 31) // 32)).astype(np.int32)
+        ones = jax.device_put(np.full(host_mask.shape, -1, np.int32))
+        calls_ = {
+            "base_s": (base, (logits,)),
+            "off_s": (masked, (logits, ones, False)),
+            "on_s": (masked, (logits, host_mask, True)),
+        }
+        row = {"rows": S}
+        for fn, args in calls_.values():
+            fn(*args).block_until_ready()
+        times = {name: [] for name in calls_}
+        for _ in range(calls):  # interleaved, so that the machine's load hits all three alike
+            for name, (fn, args) in calls_.items():
+                t0 = time.perf_counter()
+                fn(*args).block_until_ready()
+                times[name].append(time.perf_counter() - t0)
+        row.update({name: statistics.median(t) for name, t in times.items()})
+        out.append(row)
+    return out
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workload", default=str(STANDARD_WORKLOAD))
+    ap.add_argument("--num-requests", type=int, default=64, help="the first N requests")
+    ap.add_argument("--reps", type=int, default=1)
+    ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--out", default="benchmarks/results/structured_outputs.json")
+    ns = ap.parse_args(argv)
+
+    from pagedjax import LLM
+
+    reqs = load_workload(ns.workload)[: ns.num_requests]
+    llm = LLM(max_model_len=ns.max_model_len, disable_log_stats=True, use_tqdm_on_load=False)
+    # Warm the llguidance tokenizer and the schema's grammar outside the timed runs.
+    warm = run_variant(llm, reqs[:1], every=1)
+    runs: dict[str, list[dict]] = {"none": [], "all": [], "one_in_8": []}
+    for _ in range(ns.reps):
+        for name, every in (("none", 0), ("all", 1), ("one_in_8", 8)):
+            runs[name].append(run_variant(llm, reqs, every))
+            print(
+                name, json.dumps({k: v for k, v in runs[name][-1].items() if k != "sample_output"})
+            )
+    slow = [slow_grammar(llm, reqs, synchronous) for synchronous in (False, True)]
+    masking = mask_apply()
+    print("mask apply", json.dumps(masking))
+    for s in slow:
+        print(
+            "slow grammar",
+            json.dumps({k: v for k, v in s.items() if k != "gaps_while_compiling_s"}),
+        )
+
+    def med(name, key):
+        return statistics.median(r[key] for r in runs[name])
+
+    summary = {
+        name: {
+            k: med(name, k)
+            for k in (
+                "output_tokens_per_s",
+                "mean_step_s",
+                "bitmask_fill_s_per_step",
+                "bitmask_fill_share_of_wall",
+                "grammar_compile_s",
+            )
+        }
+        for name in runs
+    }
+    summary["all_over_none_tok_s"] = (
+        summary["all"]["output_tokens_per_s"] / summary["none"]["output_tokens_per_s"]
+    )
+    summary["one_in_8_over_none_tok_s"] = (
+        summary["one_in_8"]["output_tokens_per_s"] / summary["none"]["output_tokens_per_s"]
+    )
+    summary["one_in_8_over_none_step_time"] = (
+        summary["one_in_8"]["mean_step_s"] / summary["none"]["mean_step_s"]
+    )
+    result = {
+        "workload": ns.workload,
+        "num_requests": len(reqs),
+        "schema": SCHEMA,
+        "schema_compile_s": warm["grammar_compile_s"],
+        "reps": ns.reps,
+        "summary": summary,
+        "runs": runs,
+        "slow_grammar": slow,
+        "mask_apply": masking,
+        "env": environment(),
+    }
+    print(json.dumps(summary, indent=1))
+    Path(ns.out).parent.mkdir(parents=True, exist_ok=True)
+    with open(ns.out, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,98 @@
+"""From a `StructuredOutputsParams` to an llguidance grammar, and its synchronous validation.
+
+Each kind becomes llguidance's grammar text (`llguidance.LLMatcher.grammar_from_*`):
+    json         a JSON schema (llguidance's JSON-schema compiler; `whitespace_pattern`, when
+                 given, is the regex of the whitespace allowed between JSON tokens)
+    json_object  the schema {"type": "object"}
+    regex        the regex must match the whole output (Rust `regex` syntax)
+    choice       a Lark rule with one literal alternative per choice
+    grammar      Lark (llguidance's dialect), or GBNF (llama.cpp's), which llguidance converts
+                 to Lark
+
+`validate_structured_outputs` runs when a request is added, on the engine thread: it builds
+the grammar text and lets llguidance check it (no tokenizer needed) when the constraint is at
+most `SYNC_VALIDATION_MAX_CHARS` long, which costs about a millisecond; a larger one is
+checked when it compiles on the worker pool (about as long as its compilation: 0.2 s for a
+260 kB schema), and an error there ends only that request (finish_reason "error").
+"""
+
+from __future__ import annotations
+
+import json
+
+import llguidance as llg
+
+from pagedjax.errors import InvalidInputError
+from pagedjax.sampling_params import StructuredOutputsParams
+
+PARAM = "structured_outputs"
+SYNC_VALIDATION_MAX_CHARS = 16_384  # constraints up to this size are validated at add time
+
+
+def constraint_key(so: StructuredOutputsParams) -> tuple[str, str, str | None]:
+    """(kind, canonical text, whitespace_pattern): equal keys compile to the same grammar.
+
+    Raises:
+        InvalidInputError (param "structured_outputs"): a schema dict that is not JSON data.
+    """
+    kind = so.kind
+    value = getattr(so, kind)
+    if kind == "json" and not isinstance(value, str):
+        try:  # not sort_keys: the schema's property order is the output's
+            value = json.dumps(value)
+        except (TypeError, ValueError) as e:
+            raise InvalidInputError(
+                f"structured_outputs.json is not JSON data: {e}", PARAM
+            ) from None
+    elif kind == "choice":
+        value = json.dumps(list(value))
+    elif kind == "json_object":
+        value = ""
+    ws = so.whitespace_pattern if kind in ("json", "json_object") else None
+    return kind, value, ws
+
+
+def grammar_text(so: StructuredOutputsParams) -> str:
+    """llguidance's grammar text for a constraint.
+
+    Raises:
+        InvalidInputError (param "structured_outputs"): JSON text that does not parse, or a
+            GBNF grammar llguidance cannot convert.
+    """
+    kind, value, ws = constraint_key(so)
+    options = {"whitespace_pattern": ws} if ws is not None else None
+    try:
+        if kind in ("json", "json_object"):
+            schema = value if kind == "json" else '{"type": "object"}'
+            if kind == "json":
+                json.loads(schema)  # a clear message for text that is not JSON
+            return llg.LLMatcher.grammar_from_json_schema(schema, defaults=options)
+        if kind == "regex":
+            return llg.LLMatcher.grammar_from_regex(value)
+        if kind == "choice":
+            return llg.LLMatcher.grammar_from_lark(
+                "start: " + " | ".join(json.dumps(c) for c in so.choice)
+            )
+        return llg.grammar_from("grammar", value)  # Lark, or GBNF converted to Lark
+    except ValueError as e:  # json.JSONDecodeError is a ValueError
+        raise InvalidInputError(f"structured_outputs.{kind} is invalid: {e}", PARAM) from None
+
+
+def validate_structured_outputs(so: StructuredOutputsParams) -> str:
+    """Builds and (up to SYNC_VALIDATION_MAX_CHARS) checks a constraint's grammar.
+
+    Returns:
+        The llguidance grammar text.
+
+    Raises:
+        InvalidInputError (param "structured_outputs"): an invalid JSON schema, regex or
+            grammar, naming the kind and llguidance's reason.
+    """
+    text = grammar_text(so)
+    if len(text) <= SYNC_VALIDATION_MAX_CHARS:
+        error = llg.LLMatcher.validate_grammar(text)
+        if error:
+            raise InvalidInputError(
+                f"structured_outputs.{so.kind} is invalid: {error.strip()}", PARAM
+            )
+    return text

@@ -1,0 +1,178 @@
+"""`StructuredOutputManager`: grammar compilation off the step path and the step's bitmask.
+
+Compilation: the first request with a given constraint submits its grammar to a thread pool
+(llguidance drops the GIL while it compiles); later requests with an equal constraint
+(`grammar.constraint_key`) share the cached future (an LRU of `CACHE_SIZE` grammars). The
+llguidance tokenizer (the engine's Hugging Face tokenizer, as `llguidance.LLTokenizer`) is
+built once per engine, on the pool, when the first constrained request arrives. A request
+waits in the scheduler until its grammar is ready (vLLM's WAITING_FOR_FSM), so a slow grammar
+delays only itself. The pool's threads run at a lower CPU priority (nice + `WORKER_NICENESS`,
+Linux) so that, where cores are few, a long compilation takes CPU from the steps' threads only
+when they leave it idle.
+
+Bitmask: each step, `fill_bitmask` gives the scheduled rows a [rows, ceil(V / 32)] int32 mask
+(bit j of word w allows token 32 w + j; llguidance's layout); unconstrained rows and rows that
+sample nothing this step (a prefill chunk that is not the last) are all ones. llguidance sets
+EOS's bit only where the grammar may end.
+
+Timings, for the metrics: each compilation's and each step fill's duration (seconds) is kept
+until `take_timings` drains them (at most `TIMINGS_KEPT` of each), and `stats` keeps totals.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import logging
+import os
+import threading
+import time
+
+import llguidance as llg
+import llguidance.numpy as llg_np
+import numpy as np
+
+from pagedjax.sampling_params import StructuredOutputsParams
+from pagedjax.structured_output.grammar import constraint_key, grammar_text
+from pagedjax.structured_output.request import StructuredOutputRequest
+
+logger = logging.getLogger(__name__)
+
+CACHE_SIZE = 256  # compiled grammars kept (least recently used dropped first)
+TIMINGS_KEPT = 4096  # undrained durations kept per kind
+WORKER_NICENESS = 10  # added to the compile threads' nice value
+# Fewer constrained rows than this are filled one by one on the scheduler thread: llguidance's
+# parallel executor wakes its threads for each call, which cost more than it saved for 8 rows
+# on 2 busy cores (15 ms per step against about 0.3 ms per uncached row).
+PARALLEL_FILL_MIN_ROWS = 16
+
+
+def _lower_priority() -> None:
+    """Thread initializer: this thread yields the CPU to the engine's (Linux: per thread)."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + WORKER_NICENESS)
+    except (AttributeError, OSError):  # not Linux, or not allowed: run at normal priority
+        pass
+
+
+def bitmask_width(vocab_size: int) -> int:
+    """int32 words per bitmask row: ceil(vocab_size / 32)."""
+    return (vocab_size + 31) // 32
+
+
+class StructuredOutputManager:
+    """Compiles constraints and fills token bitmasks for one engine.
+
+    Args:
+        tokenizer: the engine's Hugging Face fast tokenizer.
+        vocab_size: the model's vocabulary (logits width; may exceed the tokenizer's).
+        eos_token_id: the token that ends a sequence (allowed where the grammar may end).
+        max_workers: compile threads (default: half the CPUs, 1 to 4).
+    """
+
+    def __init__(
+        self, tokenizer, vocab_size: int, eos_token_id: int | None, max_workers: int | None = None
+    ):
+        self.hf_tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
+        self.width = bitmask_width(vocab_size)
+        workers = max_workers or min(4, max(1, (os.cpu_count() or 2) // 2))
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            workers, "pagedjax-grammar", initializer=_lower_priority
+        )
+        self._tokenizer: concurrent.futures.Future | None = None
+        self._executor: llg.LLExecutor | None = None
+        self._cache: collections.OrderedDict = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self._compile_s: collections.deque = collections.deque(maxlen=TIMINGS_KEPT)
+        self._fill_s: collections.deque = collections.deque(maxlen=TIMINGS_KEPT)
+        # totals since start: grammars compiled, their seconds, bitmask fills, their seconds
+        self.stats = {"compiles": 0, "compile_s": 0.0, "fills": 0, "fill_s": 0.0}
+
+    # ----------------------------------------------------------------- compilation
+
+    def _build_tokenizer(self) -> llg.LLTokenizer:
+        import llguidance.hf
+
+        t0 = time.perf_counter()
+        tok = llguidance.hf.from_tokenizer(
+            self.hf_tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_id
+        )
+        logger.info(
+            "structured outputs: llguidance tokenizer built in %.2f s", time.perf_counter() - t0
+        )
+        return tok
+
+    def _compile(self, text: str) -> llg.LLMatcher:
+        tokenizer = self._tokenizer.result()
+        t0 = time.perf_counter()
+        matcher = llg.LLMatcher(tokenizer, text, log_level=0)
+        dt = time.perf_counter() - t0
+        with self._lock:
+            self._compile_s.append(dt)
+            self.stats["compiles"] += 1
+            self.stats["compile_s"] += dt
+        if matcher.is_error():
+            raise ValueError(f"the grammar does not compile: {matcher.get_error()}")
+        return matcher
+
+    def new_request(self, so: StructuredOutputsParams) -> StructuredOutputRequest:
+        """The state of one sequence under `so`; its grammar compiles on the pool (or comes
+        from the cache). Call once per sequence (each of n samples has its own matcher)."""
+        key = constraint_key(so)
+        with self._lock:
+            if self._tokenizer is None:
+                self._tokenizer = self._pool.submit(self._build_tokenizer)
+            fut = self._cache.get(key)
+            if fut is None or (fut.done() and fut.exception() is not None):
+                fut = self._pool.submit(lambda: self._compile(grammar_text(so)))
+                self._cache[key] = fut
+                while len(self._cache) > CACHE_SIZE:
+                    self._cache.popitem(last=False)
+            else:
+                self._cache.move_to_end(key)
+        return StructuredOutputRequest(so.kind, fut)
+
+    def wait_any(self, requests: list[StructuredOutputRequest], timeout: float) -> None:
+        """Blocks until one of `requests`' grammars is ready or `timeout` seconds pass (the
+        scheduler calls it only when nothing else can run)."""
+        concurrent.futures.wait(
+            [r.compiled for r in requests],
+            timeout=timeout,
+            return_when=concurrent.futures.FIRST_COMPLETED,
+        )
+
+    # ----------------------------------------------------------------- bitmasks
+
+    def fill_bitmask(self, rows: list[StructuredOutputRequest | None]) -> np.ndarray:
+        """[len(rows), ceil(V / 32)] int32: each constrained row's allowed next tokens, -1
+        (all allowed) for None rows."""
+        t0 = time.perf_counter()
+        mask = np.full((len(rows), self.width), -1, np.int32)
+        work = [(r.get_matcher(), i) for i, r in enumerate(rows) if r is not None]
+        if len(work) < PARALLEL_FILL_MIN_ROWS:
+            for matcher, i in work:
+                llg_np.fill_next_token_bitmask(matcher, mask, i)
+        else:
+            if self._executor is None:
+                self._executor = llg.LLExecutor()
+            llg_np.fill_next_token_bitmask_par(self._executor, work, mask)
+        dt = time.perf_counter() - t0
+        self._fill_s.append(dt)
+        self.stats["fills"] += 1
+        self.stats["fill_s"] += dt
+        return mask
+
+    def take_timings(self) -> tuple[list[float], list[float]]:
+        """The compile and fill durations (seconds) recorded since the last call."""
+        with self._lock:
+            compiles = list(self._compile_s)
+            self._compile_s.clear()
+        fills = list(self._fill_s)
+        self._fill_s.clear()
+        return compiles, fills
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,520 @@
+"""`response_format`, `structured_outputs` and tool calling through the HTTP app, in process,
+on a stub engine that records each request's SamplingParams and answers with a scripted
+text (streamed a few characters per output): what constraint reaches the engine, how the
+reply is read into `message.tool_calls` (whole and streamed, through the `openai` client,
+including `chat.completions.parse` with a pydantic model), the chat template's rendering of
+tools and tool-call history, and the 400s. Whether the engine enforces the constraint is
+tested where the engine is (the end-to-end tests with the tiny model)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from types import SimpleNamespace
+
+import httpx
+import openai
+import pytest
+from pydantic import BaseModel
+
+from pagedjax import cli
+from pagedjax.engine.async_llm import RequestStream
+from pagedjax.errors import InvalidInputError
+from pagedjax.outputs import CompletionOutput, RequestOutput
+from pagedjax.sampling_params import RequestOutputKind
+from pagedjax.server.api_server import build_app
+from pagedjax.server.cli_args import check_serve_args
+from pagedjax.server.constraints import tool_choice_schema
+from pagedjax.server.protocol_tools import ChatCompletionTool
+from tests.conftest import make_tokenizer
+
+CHAT, COMP = "/v1/chat/completions", "/v1/completions"
+MSG = [{"role": "user", "content": "Weather in Paris?"}]
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather of a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
+            "required": ["city"],
+        },
+    },
+}
+NOW = {"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}}
+TOOLS = [WEATHER, NOW]
+
+# A Hermes / Qwen2.5-style template (written for this test) that renders tools, assistant
+# tool calls and tool results.
+TOOL_TEMPLATE = """
+{%- if tools %}<|im_start|>system
+Tools:
+<tools>
+{%- for t in tools %}
+{{ t | tojson }}
+{%- endfor %}
+</tools><|im_end|>
+{% endif %}
+{%- for m in messages %}
+{%- if m.role == 'tool' %}<|im_start|>user
+<tool_response id={{ m.tool_call_id }}>{{ m.content }}</tool_response><|im_end|>
+{% elif m.role == 'assistant' and m.tool_calls %}<|im_start|>assistant
+{{ m.content }}
+{%- for c in m.tool_calls %}<tool_call>{{ {'name': c.function.name,
+ 'arguments': c.function.arguments} | tojson }}</tool_call>{% endfor %}<|im_end|>
+{% else %}<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+
+class StubEngine:
+    """Records (prompt ids, SamplingParams) of each request and answers every choice with
+    `self.reply` (DELTA outputs of 3 characters, or one FINAL_ONLY output). A constraint
+    whose regex is "(" or whose schema has "type": "nonsense" is refused as the engine
+    refuses what does not compile."""
+
+    def __init__(self, tokenizer):
+        arch = SimpleNamespace(vocab_size=320)
+        self.model_config = SimpleNamespace(
+            served_model_name="stub", max_model_len=4096, model="stub", arch=arch
+        )
+        self.tokenizer = tokenizer
+        self.errored = False
+        self.requests: list[tuple[list[int], object]] = []
+        self.reply = ""
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def shutdown(self):
+        pass
+
+    def abort(self, request_id):
+        pass
+
+    async def add_requests(self, requests, priority=0, check_max_tokens=False):
+        streams = []
+        for rid, prompt, params in requests:
+            so = params.structured_outputs
+            if so is not None and (so.regex == "(" or "nonsense" in json.dumps(so.json)):
+                raise InvalidInputError("the constraint does not compile", "structured_outputs")
+            self.requests.append((prompt["prompt_token_ids"], params))
+            stream = RequestStream(rid, params.output_kind, self)
+            text = self.reply
+            pieces = [text[i : i + 3] for i in range(0, len(text), 3)] or [""]
+            if params.output_kind == RequestOutputKind.FINAL_ONLY:
+                pieces = [text]
+            for k, piece in enumerate(pieces):
+                last = k == len(pieces) - 1
+                outs = [
+                    CompletionOutput(
+                        index=i,
+                        text=piece,
+                        token_ids=[5] * len(piece),
+                        finish_reason="stop" if last else None,
+                    )
+                    for i in range(params.n)
+                ]
+                stream._put(RequestOutput(rid, None, [7, 8], outs, finished=last))
+            streams.append(stream)
+        return streams
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    folder = tmp_path_factory.mktemp("tok")
+    make_tokenizer(folder)
+    return AutoTokenizer.from_pretrained(str(folder))
+
+
+def _app(tokenizer, **kw):
+    engine = StubEngine(tokenizer)
+    return engine, build_app(engine, **kw)
+
+
+def _post(app, path: str, body: dict) -> httpx.Response:
+    async def main():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+            return await http.post(path, json=body)
+
+    return asyncio.run(main())
+
+
+def _client_run(app, fn):
+    """Runs `await fn(client)` with an `openai.AsyncOpenAI` client talking to the app."""
+
+    async def main():
+        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t")
+        async with openai.AsyncOpenAI(base_url="http://t/v1", api_key="x", http_client=http) as c:
+            return await fn(c)
+
+    return asyncio.run(main())
+
+
+def _error(res: httpx.Response) -> dict:
+    assert res.status_code == 400, res.text
+    return res.json()["error"]
+
+
+def test_response_format_and_structured_outputs_reach_the_engine(tokenizer):
+    engine, app = _app(tokenizer)
+    engine.reply = '{"a": 1}'
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    rf = {"type": "json_schema", "json_schema": {"name": "A", "schema": schema, "strict": True}}
+    cases = [
+        ({"response_format": rf}, "json", schema),
+        ({"response_format": {"type": "json_object"}}, "json_object", True),
+        ({"response_format": {"type": "text"}}, None, None),
+        ({"structured_outputs": {"json": schema}}, "json", schema),
+        ({"structured_outputs": {"json": json.dumps(schema)}}, "json", schema),
+        ({"structured_outputs": {"regex": "[0-9]{3}"}}, "regex", "[0-9]{3}"),
+        ({"structured_outputs": {"choice": ["yes", "no"]}}, "choice", ["yes", "no"]),
+        ({"structured_outputs": {"grammar": 'start: "a"+'}}, "grammar", 'start: "a"+'),
+        ({"structured_outputs": {"json_object": True}}, "json_object", True),
+    ]
+    for extra, kind, value in cases:
+        for path, body in [(CHAT, {"messages": MSG}), (COMP, {"prompt": "x"})]:
+            res = _post(app, path, {**body, **extra})
+            assert res.status_code == 200, (extra, res.text)
+            so = engine.requests[-1][1].structured_outputs
+            if kind is None:
+                assert so is None
+            else:
+                assert so.kind == kind and getattr(so, kind) == value, (path, extra)
+    msg = _post(app, CHAT, {"messages": MSG, "response_format": rf}).json()["choices"][0]
+    assert msg["message"] == {"role": "assistant", "content": '{"a": 1}'}
+    assert msg["finish_reason"] == "stop"
+
+
+class Weather(BaseModel):
+    city: str
+    temperature_c: float
+    conditions: list[str]
+
+
+def test_openai_parse_with_a_pydantic_model(tokenizer):
+    from openai.lib._pydantic import to_strict_json_schema
+
+    engine, app = _app(tokenizer)
+    engine.reply = '{"city": "Paris", "temperature_c": 21.5, "conditions": ["sunny"]}'
+
+    async def parse(client):
+        return await client.chat.completions.parse(
+            model="stub", messages=MSG, response_format=Weather
+        )
+
+    completion = _client_run(app, parse)
+    parsed = completion.choices[0].message.parsed
+    assert parsed == Weather(city="Paris", temperature_c=21.5, conditions=["sunny"])
+    so = engine.requests[-1][1].structured_outputs
+    assert so.kind == "json" and so.json == to_strict_json_schema(Weather)
+
+
+def _tool_calls(message: dict) -> list[tuple[str, str]]:
+    return [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]]
+
+
+def _stream_with_openai(app, body: dict):
+    """A streamed chat completion through the openai client: (content, [name, arguments]
+    per call rebuilt from the deltas, finish_reason, ids)."""
+
+    async def run(client):
+        content, calls, ids, finish = "", [], [], None
+        stream = await client.chat.completions.create(model="stub", stream=True, **body)
+        async for chunk in stream:
+            for choice in chunk.choices:
+                d = choice.delta
+                content += d.content or ""
+                for t in d.tool_calls or []:
+                    if t.id is not None:  # the first delta of a call: id, type, name
+                        assert t.index == len(calls) and t.type == "function"
+                        assert t.function.arguments == ""
+                        calls.append([t.function.name, ""])
+                        ids.append(t.id)
+                    else:
+                        assert t.function.name is None
+                        calls[t.index][1] += t.function.arguments
+                finish = choice.finish_reason or finish
+        return content, calls, finish, ids
+
+    return _client_run(app, run)
+
+
+def test_tool_choice_required_is_forced_and_read(tokenizer):
+    engine, app = _app(tokenizer)
+    args = '{"city": "Paris", "unit": "c"}'
+    engine.reply = (
+        f'[{{"name": "get_weather", "parameters": {args}}}, {{"name": "now", "parameters": {{}}}}]'
+    )
+    body = {"messages": MSG, "tools": TOOLS, "tool_choice": "required"}
+    res = _post(app, CHAT, body).json()
+    tools = [ChatCompletionTool.model_validate(t) for t in TOOLS]
+    assert engine.requests[-1][1].structured_outputs.json == tool_choice_schema(tools, "required")
+    choice = res["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    assert _tool_calls(choice["message"]) == [("get_weather", args), ("now", "{}")]
+    ids = [c["id"] for c in choice["message"]["tool_calls"]]
+    assert all(i.startswith("chatcmpl-tool-") for i in ids) and len(set(ids)) == 2
+    content, calls, finish, stream_ids = _stream_with_openai(app, body)
+    assert (content, calls, finish) == ("", [["get_weather", args], ["now", "{}"]], "tool_calls")
+    assert all(i.startswith("chatcmpl-tool-") for i in stream_ids)
+    # one call only without parallel tool calls
+    _post(app, CHAT, {**body, "parallel_tool_calls": False})
+    assert engine.requests[-1][1].structured_outputs.json["maxItems"] == 1
+
+
+def test_named_tool_choice_is_forced_and_read(tokenizer):
+    engine, app = _app(tokenizer)
+    engine.reply = '{"city": "Oslo"}'
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    body = {"messages": MSG, "tools": TOOLS, "tool_choice": named, "n": 2}
+    res = _post(app, CHAT, body).json()
+    assert engine.requests[-1][1].structured_outputs.json == WEATHER["function"]["parameters"]
+    for choice in res["choices"]:
+        assert _tool_calls(choice["message"]) == [("get_weather", '{"city": "Oslo"}')]
+        assert choice["finish_reason"] == "tool_calls"
+    content, calls, finish, _ = _stream_with_openai(app, {**body, "n": 1})
+    assert (content, calls, finish) == ("", [["get_weather", '{"city": "Oslo"}']], "tool_calls")
+
+
+def test_auto_tool_choice_reads_hermes_calls(tokenizer):
+    engine, app = _app(tokenizer, enable_auto_tool_choice=True, tool_call_parser="hermes")
+    args = '{"city": "Paris"}'
+    engine.reply = (
+        f'I will check.\n<tool_call>\n{{"name": "get_weather", "arguments": {args}}}\n</tool_call>'
+    )
+    res = _post(app, CHAT, {"messages": MSG, "tools": TOOLS}).json()  # auto by default
+    assert engine.requests[-1][1].structured_outputs is None  # auto is not constrained
+    choice = res["choices"][0]
+    assert choice["message"]["content"] == "I will check.\n"
+    assert _tool_calls(choice["message"]) == [("get_weather", args)]
+    assert choice["finish_reason"] == "tool_calls"
+    streamed = _stream_with_openai(app, {"messages": MSG, "tools": TOOLS, "tool_choice": "auto"})
+    assert streamed[:3] == ("I will check.\n", [["get_weather", args]], "tool_calls")
+    # no call: plain content, finish_reason stop, no tool_calls key
+    engine.reply = "It is sunny. <b>"
+    choice = _post(app, CHAT, {"messages": MSG, "tools": TOOLS}).json()["choices"][0]
+    assert choice["message"] == {"role": "assistant", "content": "It is sunny. <b>"}
+    assert choice["finish_reason"] == "stop"
+    assert _stream_with_openai(app, {"messages": MSG, "tools": TOOLS})[:3] == (
+        "It is sunny. <b>",
+        [],
+        "stop",
+    )
+    # "none" reads nothing, even a call-shaped reply
+    engine.reply = '<tool_call>{"name": "now", "arguments": {}}</tool_call>'
+    choice = _post(app, CHAT, {"messages": MSG, "tools": TOOLS, "tool_choice": "none"}).json()
+    assert choice["choices"][0]["message"]["content"] == engine.reply
+
+
+def test_llama3_json_parser_is_chosen_by_the_flag(tokenizer):
+    engine, app = _app(tokenizer, enable_auto_tool_choice=True, tool_call_parser="llama3_json")
+    engine.reply = '{"name": "now", "parameters": {}}'
+    choice = _post(app, CHAT, {"messages": MSG, "tools": TOOLS}).json()["choices"][0]
+    assert _tool_calls(choice["message"]) == [("now", "{}")]
+
+
+def test_tools_and_tool_history_are_rendered_by_the_template(tokenizer, caplog):
+    engine, app = _app(tokenizer, chat_template=TOOL_TEMPLATE)
+    engine.reply = "Sunny."
+    call = {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    messages = [
+        *MSG,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": "call-1", "type": "function", "function": call}],
+        },
+        {"role": "tool", "tool_call_id": "call-1", "content": "21 C, sunny"},
+    ]
+    res = _post(app, CHAT, {"messages": messages, "tools": TOOLS, "tool_choice": "none"})
+    assert res.status_code == 200, res.text
+    prompt = tokenizer.decode(engine.requests[-1][0])
+    assert (
+        '"name": "get_weather"' in prompt
+        and '"description": "Current weather of a city."' in prompt
+    )  # the tools
+    assert (
+        '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>' in prompt
+    )  # the assistant's call, its arguments as an object
+    assert "<tool_response id=call-1>21 C, sunny</tool_response>" in prompt
+    assert prompt.endswith("<|im_start|>assistant\n")
+    # /tokenize renders the same prompt
+    body = {"messages": messages, "tools": TOOLS}
+    assert _post(app, "/tokenize", body).json()["tokens"] == engine.requests[-1][0]
+    # the tokenizer's own template ignores tools: rendered without them, logged once
+    engine, app = _app(tokenizer)
+    with caplog.at_level(logging.WARNING, logger="pagedjax.server.serving"):
+        for _ in range(2):
+            body = {"messages": MSG, "tools": TOOLS, "tool_choice": "none"}
+            assert _post(app, CHAT, body).status_code == 200
+    warnings = [r for r in caplog.records if "does not render `tools`" in r.getMessage()]
+    assert len(warnings) == 1
+    assert "get_weather" not in tokenizer.decode(engine.requests[-1][0])
+
+
+def _tools_with(parameters) -> list[dict]:
+    return [{"type": "function", "function": {"name": "f", "parameters": parameters}}]
+
+
+BAD = [
+    ({"messages": MSG, "tool_choice": "required"}, "tool_choice", "tools must be set"),
+    (
+        {
+            "messages": MSG,
+            "tools": TOOLS,
+            "tool_choice": {"type": "function", "function": {"name": "nope"}},
+        },
+        "tool_choice",
+        "'nope'",
+    ),
+    ({"messages": MSG, "tools": TOOLS}, "tool_choice", "--enable-auto-tool-choice"),
+    ({"messages": MSG, "tools": TOOLS, "tool_choice": "any"}, "tool_choice", ""),
+    ({"messages": MSG, "tools": [{"type": "function"}], "tool_choice": "none"}, "tools", ""),
+    (
+        {"messages": MSG, "tools": _tools_with({"type": "string"}), "tool_choice": "required"},
+        "tools",
+        "type 'object'",
+    ),
+    ({"messages": MSG, "tools": [NOW, NOW], "tool_choice": "required"}, "tools", "repeats"),
+    (
+        {
+            "messages": MSG,
+            "tools": [{"type": "function", "function": {"name": "a b"}}],
+            "tool_choice": "none",
+        },
+        "tools",
+        "function names",
+    ),
+    (
+        {"messages": MSG, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+        "response_format",
+        "json_schema.schema",
+    ),
+    ({"messages": MSG, "response_format": {"type": "yaml"}}, "response_format", ""),
+    (
+        {
+            "messages": MSG,
+            "response_format": {"type": "json_object"},
+            "structured_outputs": {"regex": "a"},
+        },
+        "structured_outputs",
+        "only one",
+    ),
+    (
+        {
+            "messages": MSG,
+            "tools": TOOLS,
+            "tool_choice": "required",
+            "response_format": {"type": "json_object"},
+        },
+        "tool_choice",
+        "only one",
+    ),
+    (
+        {"messages": MSG, "structured_outputs": {"regex": "a", "choice": ["a"]}},
+        "structured_outputs",
+        "exactly one",
+    ),
+    ({"messages": MSG, "structured_outputs": {"choice": []}}, "structured_outputs", "choice"),
+    # refused by the engine: the param names the field the constraint came from
+    ({"messages": MSG, "structured_outputs": {"regex": "("}}, "structured_outputs", "compile"),
+    (
+        {
+            "messages": MSG,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "nonsense"}},
+            },
+        },
+        "response_format",
+        "compile",
+    ),
+    (
+        {
+            "messages": MSG,
+            "tools": _tools_with({"type": "object", "properties": {"x": {"type": "nonsense"}}}),
+            "tool_choice": "required",
+        },
+        "tools",
+        "compile",
+    ),
+    (
+        {
+            "messages": [
+                *MSG,
+                {
+                    "role": "assistant",
+                    "tool_calls": [
+                        {
+                            "id": "1",
+                            "type": "function",
+                            "function": {"name": "f", "arguments": "{oops"},
+                        }
+                    ],
+                },
+            ]
+        },
+        "messages",
+        "not valid JSON",
+    ),
+]
+
+
+@pytest.mark.parametrize("body,param,words", BAD, ids=[f"bad-{i}" for i in range(len(BAD))])
+def test_bad_tools_and_constraints_are_400_naming_the_field(tokenizer, body, param, words):
+    engine, app = _app(tokenizer)
+    err = _error(_post(app, CHAT, body))
+    assert err["param"] is not None and err["param"].startswith(param), err
+    assert words in err["message"], err
+    assert engine.requests == []  # nothing reached the engine
+    engine.reply = "fine"  # and the next request is served
+    assert _post(app, CHAT, {"messages": MSG}).json()["choices"][0]["message"]["content"] == "fine"
+
+
+def test_completions_refuse_constraint_conflicts(tokenizer):
+    engine, app = _app(tokenizer)
+    body = {
+        "prompt": "x",
+        "response_format": {"type": "json_object"},
+        "structured_outputs": {"choice": ["a"]},
+    }
+    assert _error(_post(app, COMP, body))["param"] == "structured_outputs"
+    body = {"prompt": "x", "structured_outputs": {"regex": "("}}
+    assert _error(_post(app, COMP, body))["param"] == "structured_outputs"
+
+
+def test_tool_flags(tokenizer, tmp_path):
+    ns = cli.build_parser().parse_args(
+        ["serve", "--enable-auto-tool-choice", "--tool-call-parser", "llama3_json"]
+    )
+    assert ns.enable_auto_tool_choice and ns.tool_call_parser == "llama3_json"
+    ns = cli.build_parser().parse_args(["serve", str(tmp_path), "--enable-auto-tool-choice"])
+    with pytest.raises(ValueError, match="--tool-call-parser"):
+        check_serve_args(ns)
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["serve", "--tool-call-parser", "nope"])
+    with pytest.raises(ValueError, match="--tool-call-parser"):
+        build_app(StubEngine(tokenizer), enable_auto_tool_choice=True)
+
+
+def test_chat_template_flag_takes_a_file_or_the_text(tmp_path):
+    from pagedjax.server.api_server import _load_chat_template
+
+    long_text = TOOL_TEMPLATE + "{# " + "x" * 500 + " #}"  # longer than a file name may be
+    assert _load_chat_template(long_text) == long_text
+    path = tmp_path / "t.jinja"
+    path.write_text(TOOL_TEMPLATE)
+    assert _load_chat_template(str(path)) == TOOL_TEMPLATE
+    with pytest.raises(ValueError, match="cannot read --chat-template"):
+        _load_chat_template(str(tmp_path / "missing.jinja"))
+    with pytest.raises(ValueError, match="not a valid Jinja template"):
+        _load_chat_template("{% for m in messages %}")
