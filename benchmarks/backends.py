@@ -45,6 +45,7 @@ def run_pagedjax(reqs: list[dict], ns) -> dict:
         enable_prefix_caching=ns.enable_prefix_caching,
         disable_log_stats=True,
         use_tqdm_on_load=False,
+        speculative_config=ns.speculative_config,
     )
     startup = time.perf_counter() - t0
     eng = llm.llm_engine
@@ -196,6 +197,7 @@ def main(argv=None) -> None:
         help="vllm: the default model as a HF folder (python -m benchmarks.export_hf)",
     )
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--speculative-config", default=None, help="pagedjax: JSON, as vLLM's")
     ns = p.parse_args(argv)
     reqs = load_any_workload(ns.workload)
     result = BACKENDS[ns.backend](reqs, ns)

@@ -1,7 +1,8 @@
 """Latency of one batch, and where a step's time goes (also `pagedjax bench latency`).
 
     python -m benchmarks.latency [--batch-size 8,64,256] [--input-len 128] [--output-len 16]
-        [--waiting 0,64,1024] [--reps 3] [--out benchmarks/results/latency.json]
+        [--waiting 0,64,1024] [--reps 3] [--speculative-config JSON]
+        [--out benchmarks/results/latency.json]
 
 For each batch size B: B requests of `--input-len` random prompt tokens (distinct per
 request, so that no prefix is shared) are added at once, greedy, EOS ignored, `--output-len`
@@ -17,6 +18,12 @@ tokens each. Reported per batch size (medians over `--reps` after one warm-up ba
   on the host: compute + transfers), and the host work after it (scheduler update, stop
   checks, detokenization, outputs); host_fraction = (step - device) / step.
 
+With `--speculative-config` (vLLM's JSON, e.g. '{"method": "ngram",
+"num_speculative_tokens": 4}') a decode step verifies proposals, so it may yield several
+tokens per request: decode_tok_s (output tokens after the first, per request, over the time
+from the batch's last first token to its end) is the figure to compare, and the row carries
+the acceptance counters of the run.
+
 `--waiting N` adds N more requests that cannot run (max_num_seqs = B), to show that the host
 part of a step does not grow with the waiting queue.
 """
@@ -24,6 +31,7 @@ part of a step does not grow with the waiting queue.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import sys
@@ -71,7 +79,7 @@ def run_batch(llm, batch: int, waiting: int, ns, rnd: random.Random) -> dict:
         if prefill_s is None:
             if first >= set(ids[:batch]):
                 prefill_s = time.perf_counter() - t0
-        elif timing.num_scheduled_tokens == batch and running:
+        elif timing.num_seqs == batch and running:
             decode.append(timing.as_dict())
     e2e = time.perf_counter() - t0
     eng.abort_request(ids[batch:])
@@ -89,6 +97,7 @@ def main(argv=None) -> dict:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--speculative-config", default=None, help="JSON, as vLLM's")
     p.add_argument("--out", default="benchmarks/results/latency.json")
     ns = p.parse_args(argv)
 
@@ -106,6 +115,7 @@ def main(argv=None) -> dict:
         enable_prefix_caching=False,
         disable_log_stats=True,
         use_tqdm_on_load=False,
+        speculative_config=ns.speculative_config,
     )
     startup = time.perf_counter() - t0
     eng = llm.llm_engine
@@ -131,7 +141,12 @@ def main(argv=None) -> dict:
                     (split["total_s"] - split["device_s"]) / split["total_s"] if split else None
                 ),
                 "decode_steps_measured": len(steps),
+                "decode_tok_s": median(
+                    [batch * (ns.output_len - 1) / (r["e2e_s"] - r["prefill_s"]) for r in runs]
+                ),
             }
+            if eng.speculator is not None:
+                row["spec_decode"] = dataclasses.asdict(eng.speculator.stats)
             rows.append(row)
             print(
                 f"B={batch:4d} waiting={waiting:5d}  prefill {row['prefill_s'] * 1e3:8.1f} ms  "
@@ -149,6 +164,7 @@ def main(argv=None) -> dict:
         "dtype": ns.dtype,
         "startup_s": startup,
         "compile_s": eng.compile_seconds,
+        "speculative_config": ns.speculative_config,
         "rows": rows,
         "env": environment(),
     }

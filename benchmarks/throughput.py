@@ -1,7 +1,8 @@
 """Offline throughput, engines side by side (also `pagedjax bench throughput`).
 
     python -m benchmarks.throughput [--workload FILE|shared-prefix]
-        [--backends pagedjax,hf,vllm] [--reps 3] [--out benchmarks/results/throughput.json]
+        [--backends pagedjax,hf,vllm] [--reps 3] [--speculative-config JSON]
+        [--out benchmarks/results/throughput.json]
 
 Each backend runs the same workload (default: `workloads/standard.json`, 64 requests with
 exact prompt token ids, greedy, EOS ignored, exactly output_len tokens each) in its own process
@@ -66,6 +67,8 @@ def _run_once(backend: str, ns, python: str) -> dict:
         cmd += ["--vllm-model", ns.vllm_model]
     if not ns.enable_prefix_caching:
         cmd += ["--no-enable-prefix-caching"]
+    if ns.speculative_config and backend == "pagedjax":
+        cmd += ["--speculative-config", ns.speculative_config]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     if backend == "vllm":  # vLLM's CPU worker binds its OpenMP threads; give it the same cores
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{ns.threads - 1}")
@@ -111,6 +114,9 @@ def main(argv=None) -> dict:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="pagedjax: automatic prefix caching",
+    )
+    p.add_argument(
+        "--speculative-config", default=None, help="pagedjax: speculative decoding, JSON"
     )
     p.add_argument("--out", default=None, help="JSON result (and a .png beside it)")
     ns = p.parse_args(argv)

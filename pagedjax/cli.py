@@ -128,6 +128,7 @@ BENCHMARKS = {
     "quality": "quality",
     "many-prompts": "many_prompts",
     "structured-outputs": "structured_outputs_quality",
+    "spec-decode": "spec_decode",
     "moe": "moe",
 }
 

@@ -223,10 +223,82 @@ class ParallelConfig:
             raise ValueError("num_processes > 1 needs coordinator_address (host:port of process 0)")
 
 
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+MAX_NUM_SPECULATIVE_TOKENS = 16  # proposals per step and request at most
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's `speculative_config` names).
+
+    method: "ngram" (prompt lookup over the request's own tokens, on the host) or
+        "draft_model" (a smaller model with the same vocabulary, `model`).
+    num_speculative_tokens: k, tokens proposed per step, 1..MAX_NUM_SPECULATIVE_TOKENS.
+    prompt_lookup_max / prompt_lookup_min: n-gram sizes tried, longest first (ngram only).
+    model: the draft checkpoint (draft_model only).
+    draft_model_config: the draft's resolved `ModelConfig` (set by the engine, not by users).
+    """
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+    model: str | None = None
+    draft_model_config: ModelConfig | None = None
+
+    def __post_init__(self):
+        if self.method not in SPECULATIVE_METHODS:
+            raise _bad("speculative_config.method", f"one of {SPECULATIVE_METHODS}", self.method)
+        k = self.num_speculative_tokens
+        if type(k) is not int or not 1 <= k <= MAX_NUM_SPECULATIVE_TOKENS:
+            raise _bad(
+                "speculative_config.num_speculative_tokens",
+                f"an integer in [1, {MAX_NUM_SPECULATIVE_TOKENS}]",
+                k,
+            )
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if not isinstance(lo, int) or lo < 1:
+            raise _bad("speculative_config.prompt_lookup_min", "an integer >= 1", lo)
+        if not isinstance(hi, int) or hi < lo:
+            raise _bad(
+                "speculative_config.prompt_lookup_max", f"an integer >= prompt_lookup_min={lo}", hi
+            )
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("speculative_config.model is required for method 'draft_model'")
+
+    @classmethod
+    def from_value(cls, value) -> SpeculativeConfig | None:
+        """From a dict or its JSON text (`--speculative-config '{...}'`); None stays None.
+
+        Raises:
+            ValueError: invalid JSON, an unknown key, or an invalid value (named).
+        """
+        import json
+
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise _bad("speculative_config", "a JSON object", value)
+        names = {f.name for f in dataclasses.fields(cls)} - {"draft_model_config"}
+        unknown = sorted(set(value) - names)
+        if unknown:
+            raise ValueError(f"unknown speculative_config key(s): {', '.join(unknown)}")
+        for key in ("method", "num_speculative_tokens"):
+            if key not in value:
+                raise ValueError(f"speculative_config.{key} is required")
+        return cls(**value)
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs, validated. compilation_cache_dir: JAX's persistent
-    compilation cache ("" disables it); log_stats: log scheduler stats periodically."""
+    compilation cache ("" disables it); log_stats: log scheduler stats periodically;
+    speculative_config: speculative decoding, or None."""
 
     model_config: ModelConfig
     cache_config: CacheConfig
@@ -234,3 +306,4 @@ class EngineConfig:
     parallel_config: ParallelConfig
     compilation_cache_dir: str = ""
     log_stats: bool = True
+    speculative_config: SpeculativeConfig | None = None

@@ -25,6 +25,7 @@ from pagedjax.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     _bad,
 )
 from pagedjax.paths import cache_root
@@ -154,6 +155,11 @@ def resolve_engine_config(args) -> EngineConfig:
         download_dir=args.download_dir,
         quantization=quantization,
     )
+    spec = SpeculativeConfig.from_value(args.speculative_config)
+    if spec is not None and args.pipeline_parallel_size > 1:
+        raise ValueError("speculative_config is not supported with pipeline_parallel_size > 1")
+    if spec is not None and spec.method == "draft_model":
+        spec = _draft_config(spec, model_config, args.preemption_mode)
     if args.num_processes > 1 and args.preemption_mode == "swap":
         raise ValueError(
             "preemption_mode='swap' is not supported across processes "
@@ -191,6 +197,7 @@ def resolve_engine_config(args) -> EngineConfig:
         ),
         compilation_cache_dir=cache_dir,
         log_stats=not args.disable_log_stats,
+        speculative_config=spec,
     )
 
 
@@ -232,3 +239,45 @@ def _check_native(field: str, on_one_cpu_device: bool) -> None:
         )
     if not cpu_kernels.available():
         raise ValueError(f"{field} 'cpu' is unavailable: {cpu_kernels.unavailable_reason()}")
+
+
+def _draft_config(
+    spec: SpeculativeConfig, target: ModelConfig, preemption_mode: str
+) -> SpeculativeConfig:
+    """`spec` with the draft's `ModelConfig` (float weights, the target's dtype, backends and
+    max_model_len). A draft model must share the target's vocabulary; its KV cache follows
+    the target's blocks, which swapping does not carry.
+
+    Raises:
+        ValueError: naming speculative_config.model (another vocabulary size) or
+            preemption_mode.
+    """
+    import dataclasses
+
+    from pagedjax.models import loader
+
+    try:
+        source = loader.resolve_model_source(spec.model)
+        draft = loader.load_arch_config(source)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"speculative_config.model {spec.model!r} cannot be loaded: {e}") from e
+    if draft.vocab_size != target.arch.vocab_size:
+        raise ValueError(
+            f"speculative_config.model {spec.model!r} has a vocabulary of {draft.vocab_size} "
+            f"tokens, the target {target.arch.vocab_size}: the draft must share the target's "
+            "vocabulary"
+        )
+    if preemption_mode == "swap":
+        raise ValueError(
+            "speculative_config with method 'draft_model' needs preemption_mode='recompute'"
+        )
+    draft_mc = dataclasses.replace(
+        target,
+        model=spec.model,
+        source_kind=source.kind,
+        source_path=source.path,
+        arch=draft,
+        # A GGUF draft keeps its blocks when the target does (else dequantized on load).
+        quantization="gguf" if source.kind == "gguf" and target.quantization == "gguf" else None,
+    )
+    return dataclasses.replace(spec, draft_model_config=draft_mc)

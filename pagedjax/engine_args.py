@@ -132,6 +132,12 @@ class EngineArgs:
         None, "JAX persistent compilation cache ('' disables; default <download_dir>/xla-cache)."
     )
     disable_log_stats: bool = _field(False, "Do not log engine stats.")
+    speculative_config: dict | str | None = _field(
+        None,
+        'Speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": '
+        'k, "prompt_lookup_max": 4, "prompt_lookup_min": 1} or {"method": '
+        '"draft_model", "model": PATH, "num_speculative_tokens": k}; k <= 16.',
+    )
 
     @classmethod
     def field_names(cls) -> set[str]:

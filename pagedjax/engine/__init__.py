@@ -19,6 +19,9 @@ How a request flows (each file named in the order a request meets it):
    (prefix cache, copy-on-write, swap pool); it returns an `engine/interface.SchedulerOutput`
    of ids, counts and specs, no `Request`, and the token bitmask of the constrained rows
    (`structured_output/scheduling.py`; requests whose grammar is compiling wait there).
+   With `speculative_config`, `engine/spec_decode/` proposes tokens for decoding requests
+   (n-gram lookup in `ngram.py`, or the draft model's proposals of the previous step,
+   `executor/draft_model.py`), scheduled after the request's last token.
 5. `executor/model_runner.py` (`ModelRunner.execute`) keeps per-request rows
    (`executor/request_state.py`), packs the step (`executor/input_batch.py`) and runs the
    compiled `executor/step.py`: the model from `models/registry.py` (`models/llama.py` over
@@ -28,8 +31,9 @@ How a request flows (each file named in the order a request meets it):
 6. `Scheduler.update_from_output` appends each sampled token to its `Request`, grows its
    text, and decides in one place whether it finished (EOS, stop token ids, max_tokens /
    max_model_len, stop strings, a completed grammar; each constrained request's matcher,
-   `structured_output/request.py`, advances by the token); finished requests free their
-   blocks.
+   `structured_output/request.py`, advances by the token); with speculation, the tokens a
+   step kept (`ops/rejection_sampler.py`) are taken one by one, the same checks after each;
+   finished requests free their blocks.
 7. `engine/output_processor.py` gathers logprobs and builds the `outputs.RequestOutput`s of
    the caller's `output_kind`; `engine/metrics.py` and `engine/prometheus.py` record stats.
 

@@ -43,6 +43,7 @@ from pagedjax.engine.engine import LLMEngine
 from pagedjax.engine.factory import create_engine
 from pagedjax.engine.prometheus import PrometheusStatLogger
 from pagedjax.engine.scheduler import SchedulerStats
+from pagedjax.engine.spec_decode import sum_spec_stats
 from pagedjax.engine_args import EngineArgs
 from pagedjax.errors import InvalidInputError
 from pagedjax.inputs import PromptType
@@ -410,6 +411,9 @@ class AsyncLLM:
         free = sum(p.num_free_blocks for p in pools)
         total.kv_cache_usage = 1.0 - free / usable if usable else 0.0
         self.metrics.record_scheduler_stats(total, free)
+        specs = [r.speculator.stats for r in self._replicas if getattr(r, "speculator", None)]
+        if specs:
+            self.metrics.record_spec_decode(sum_spec_stats(specs))
         for r in self._replicas:
             if getattr(r, "structured_output", None) is not None:
                 self.metrics.record_grammar_timings(*r.structured_output.take_timings())

@@ -32,6 +32,7 @@ from pagedjax.engine.metrics import StatLogger
 from pagedjax.engine.output_processor import OutputProcessor
 from pagedjax.engine.request import Request, RequestStatus
 from pagedjax.engine.scheduler import Scheduler
+from pagedjax.engine.spec_decode import Speculator
 from pagedjax.engine_args import EngineArgs
 from pagedjax.executor.model_loading import load_model
 from pagedjax.executor.model_runner import ModelRunner
@@ -119,13 +120,18 @@ class LLMEngine:
         self.kv_cache_manager = KVCacheManager(
             num_blocks, cc.block_size, cc.enable_prefix_caching, num_host_blocks
         )
+        spec = config.speculative_config
+        self.speculator = None if spec is None else Speculator(spec, mc.max_model_len)
         self.structured_output: StructuredOutputManager | None = None
         if self.tokenizer is not None:
             self.structured_output = StructuredOutputManager(
                 self.tokenizer, mc.arch.vocab_size, self._eos_token_id()
             )
         self.scheduler = Scheduler(
-            config.scheduler_config, self.kv_cache_manager, self.structured_output
+            config.scheduler_config,
+            self.kv_cache_manager,
+            self.structured_output,
+            speculator=self.speculator,
         )
         self.compile_seconds = self.runner.warmup(use_tqdm=use_tqdm)
         self.eos_token_id = self._eos_token_id()
@@ -280,7 +286,9 @@ class LLMEngine:
         t1 = time.perf_counter()
         result = self.runner.execute(so)
         t2 = time.perf_counter()
-        progressed = self.scheduler.update_from_output(so, result.sampled)
+        progressed = self.scheduler.update_from_output(
+            so, result.sampled, result.spec_tokens, result.draft_token_ids
+        )
         outputs = self.output_processor.build(self.output_processor.update(progressed, result))
         t3 = time.perf_counter()
         self.last_step_timing = StepTiming(
@@ -293,7 +301,9 @@ class LLMEngine:
             update_s=(t2 - t1 - result.prepare_s - result.device_s) + (t3 - t2),
             total_s=t3 - t0,
         )
+        spec = self.speculator.stats if self.speculator is not None else None
+        drawn = len(result.sampled) + sum(len(t) for t in result.spec_tokens.values())
         self.stat_logger.on_step(
-            so.total_num_scheduled_tokens, len(result.sampled), t3 - t0, self.scheduler.stats()
+            so.total_num_scheduled_tokens, drawn, t3 - t0, self.scheduler.stats(), spec
         )
         return outputs

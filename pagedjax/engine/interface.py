@@ -148,6 +148,8 @@ class ScheduledSeq:
     samples: the step reaches its last known token, so a token is drawn for it.
     recent_output_ids: its last output tokens, as many as its longest bad word needs (only
         when it samples and has multi-token bad words).
+    num_draft_tokens: k, proposed tokens (speculative decoding) at the end of `token_ids`,
+        verified this step; they are not the request's tokens unless kept.
     """
 
     req_id: str
@@ -156,6 +158,7 @@ class ScheduledSeq:
     num_output_tokens: int
     samples: bool
     recent_output_ids: tuple[int, ...] = ()
+    num_draft_tokens: int = 0
 
 
 @dataclasses.dataclass
@@ -182,6 +185,11 @@ class SchedulerOutput:
     blocks_to_copy: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     stopped_req_ids: list[str] = dataclasses.field(default_factory=list)
     grammar_bitmask: np.ndarray | None = None
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """Proposed tokens verified this step."""
+        return sum(s.num_draft_tokens for s in self.scheduled)
 
     @property
     def num_scheduled_tokens(self) -> dict[str, int]:
@@ -218,10 +226,17 @@ class PromptLogprobs:
 @dataclasses.dataclass
 class ModelRunnerOutput:
     """What a step returns: the token drawn for every scheduled request that samples, the
-    prompt logprobs computed this step, and where the runner's time went (seconds)."""
+    prompt logprobs computed this step, and where the runner's time went (seconds).
+
+    spec_tokens: for a request that verified proposals, the tokens kept after `sampled`'s
+    (accepted proposals, then the replacement or bonus token), in order.
+    draft_token_ids: the draft model's proposals for each request's next step.
+    """
 
     sampled: dict[str, SampledToken]
     prompt_logprobs: dict[str, PromptLogprobs]
     prepare_s: float = 0.0  # host: request states, block ops, the packed input buffer
     device_s: float = 0.0  # the compiled step's dispatch until its sampled ids are on the host
     bucket: int = 0  # the step's token bucket T (0: nothing ran)
+    spec_tokens: dict[str, list[SampledToken]] = dataclasses.field(default_factory=dict)
+    draft_token_ids: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)

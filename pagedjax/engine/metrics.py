@@ -37,8 +37,15 @@ class StatLogger:
         self.num_prompt_tokens += num_prompt_tokens
 
     def on_step(
-        self, scheduled_tokens: int, sampled: int, seconds: float, stats: SchedulerStats
+        self,
+        scheduled_tokens: int,
+        sampled: int,
+        seconds: float,
+        stats: SchedulerStats,
+        spec=None,
     ) -> None:
+        """One step: tokens scheduled and drawn, its seconds, the scheduler's stats and the
+        speculative-decoding counters (`engine.spec_decode.SpecDecodeStats`, or None)."""
         self.num_steps += 1
         self.step_seconds += seconds
         self.num_scheduled_tokens += scheduled_tokens
@@ -67,5 +74,16 @@ class StatLogger:
                 100 * hit,
                 stats.num_preemptions,
             )
+            if spec is not None and spec.num_drafts:
+                logger.info(
+                    "SpecDecoding metrics: Mean acceptance length: %.2f, Accepted: %d tokens, "
+                    "Drafted: %d tokens, Per-position acceptance rate: %s",
+                    spec.mean_acceptance_length,
+                    spec.num_accepted_tokens,
+                    spec.num_draft_tokens,
+                    ", ".join(
+                        f"{n / spec.num_drafts:.3f}" for n in spec.num_accepted_tokens_per_pos
+                    ),
+                )
             self._last_log = now
             self._since = (self.num_scheduled_tokens, self.num_generation_tokens)

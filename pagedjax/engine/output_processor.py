@@ -117,11 +117,12 @@ class OutputProcessor:
                 continue
             sampled = result.sampled.get(req.request_id)
             if child.logprobs is not None and sampled is not None:
-                child.logprobs.append(
-                    self._logprob_dict(
-                        sampled.token_id, sampled.logprob, sampled.rank, sampled.top or []
+                # With speculation several tokens; those after a stop were not appended.
+                run = [sampled, *result.spec_tokens.get(req.request_id, ())]
+                for t in run[: req.num_output_tokens - len(child.logprobs)]:
+                    child.logprobs.append(
+                        self._logprob_dict(t.token_id, t.logprob, t.rank, t.top or [])
                     )
-                )
             if parent.metrics.first_token_time is None:
                 parent.metrics.first_token_time = now
             touched[parent.request_id] = parent

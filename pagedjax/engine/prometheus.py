@@ -18,6 +18,11 @@ Names (vLLM v1 where it has one; prometheus-client appends `_total` to counters)
     vllm:e2e_request_latency_seconds                   histogram, arrival -> last token
     vllm:request_prompt_tokens / _generation_tokens    histograms, tokens per request
     vllm:cache_config_info                             gauge = 1, the cache config as labels
+    vllm:spec_decode_num_drafts                        counter, verification runs
+    vllm:spec_decode_num_draft_tokens                  counter, proposed tokens
+    vllm:spec_decode_num_accepted_tokens               counter, accepted proposals
+    vllm:spec_decode_num_accepted_tokens_per_pos{position}  counter, runs that accepted
+                                                       proposal `position` (0-based)
     pagedjax:kv_cache_free_blocks                      gauge, blocks in the free queue (no
                                                        vLLM equivalent; == num_gpu_blocks
                                                        when nothing holds a block)
@@ -157,6 +162,20 @@ class PrometheusStatLogger:
             info.labels(**{k: str(v) for k, v in cache_info.items()}).set(1)
         self._last_prefix = (0, 0)
         self._last_preemptions = 0
+        self.spec_drafts = counter("vllm:spec_decode_num_drafts", "Speculative verification runs.")
+        self.spec_draft_tokens = counter(
+            "vllm:spec_decode_num_draft_tokens", "Speculative tokens proposed."
+        )
+        self.spec_accepted = counter(
+            "vllm:spec_decode_num_accepted_tokens", "Speculative tokens accepted."
+        )
+        self._spec_per_pos = Counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Verification runs that accepted the proposal at this position (0-based).",
+            labelnames=["model_name", "position"],
+            registry=registry,
+        )
+        self._last_spec = (0, 0, 0, [])
 
     def record_scheduler_stats(self, stats: SchedulerStats, num_free_blocks: int) -> None:
         """Sets the gauges; advances the counters by what the cumulative stats gained."""
@@ -172,6 +191,25 @@ class PrometheusStatLogger:
         self._last_prefix = (stats.prefix_cache_queries, stats.prefix_cache_hits)
         self.preemptions.inc(max(0, stats.num_preemptions - self._last_preemptions))
         self._last_preemptions = stats.num_preemptions
+
+    def record_spec_decode(self, stats) -> None:
+        """Advances the speculative-decoding counters to a cumulative
+        `engine.spec_decode.SpecDecodeStats`."""
+        d0, t0, a0, p0 = self._last_spec
+        self.spec_drafts.inc(max(0, stats.num_drafts - d0))
+        self.spec_draft_tokens.inc(max(0, stats.num_draft_tokens - t0))
+        self.spec_accepted.inc(max(0, stats.num_accepted_tokens - a0))
+        for j, n in enumerate(stats.num_accepted_tokens_per_pos):
+            before = p0[j] if j < len(p0) else 0
+            self._spec_per_pos.labels(model_name=self._model_name, position=str(j)).inc(
+                max(0, n - before)
+            )
+        self._last_spec = (
+            stats.num_drafts,
+            stats.num_draft_tokens,
+            stats.num_accepted_tokens,
+            list(stats.num_accepted_tokens_per_pos),
+        )
 
     def record_grammar_timings(self, compile_s: list[float], bitmask_s: list[float]) -> None:
         """Observes grammar compilations and bitmask fills (seconds each)."""

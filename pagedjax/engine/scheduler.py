@@ -20,6 +20,13 @@ The n samples of one prompt are forked (`engine.forks`): the first one prefills 
 when it has, the others take its blocks (shared, ref-counted) and compute only the last
 prompt token, each in its own copy of the partly filled last block (copy-on-write).
 
+With speculative decoding (`engine.spec_decode.Speculator`), a decoding request also gets up
+to k proposed tokens, computed in the same step (the budget counts them; its blocks cover
+them); after verification it takes the kept tokens one by one, stop checks after each (what
+follows a stop is dropped), and its computed count advances by the accepted proposals + 1. The
+K/V of rejected proposals sit past the computed count: later steps overwrite them before any
+attention reads that far.
+
 A structured-output request waits (WAITING_FOR_FSM) until its grammar has compiled on the
 worker pool (`structured_output`), then queues like any other; each step the scheduler fills
 the token bitmask of the constrained rows that sample (`SchedulerOutput.grammar_bitmask`)
@@ -36,8 +43,6 @@ Plain Python (no jax): `schedule()` returns a `SchedulerOutput` of ids and count
 from __future__ import annotations
 
 import dataclasses
-import heapq
-import itertools
 import logging
 from collections import deque
 from collections.abc import Iterable
@@ -53,6 +58,8 @@ from pagedjax.engine.interface import (
 )
 from pagedjax.engine.kv_cache_manager import KVCacheManager
 from pagedjax.engine.request import Request, RequestStatus
+from pagedjax.engine.spec_decode import Speculator
+from pagedjax.engine.waiting_queue import WaitingQueue
 from pagedjax.structured_output.scheduling import GrammarWaitQueue, step_bitmask
 
 logger = logging.getLogger(__name__)
@@ -78,46 +85,6 @@ class SchedulerStats:
     num_waiting_for_grammar: int = 0
 
 
-class _WaitingQueue:
-    """FCFS: a deque. Priority: a heap on (priority, arrival time, arrival order)."""
-
-    def __init__(self, policy: str):
-        self.policy = policy
-        self._fcfs: deque[Request] = deque()
-        self._heap: list[tuple[int, float, int, Request]] = []
-        self._order = itertools.count()
-
-    def __len__(self) -> int:
-        return len(self._fcfs) if self.policy == "fcfs" else len(self._heap)
-
-    def add(self, req: Request) -> None:
-        if self.policy == "fcfs":
-            self._fcfs.append(req)
-        else:
-            heapq.heappush(self._heap, (req.priority, req.arrival_time, next(self._order), req))
-
-    def add_front(self, req: Request) -> None:
-        """A preempted or forked request: first in line under fcfs; by its key under priority."""
-        if self.policy == "fcfs":
-            self._fcfs.appendleft(req)
-        else:
-            self.add(req)
-
-    def peek(self) -> Request:
-        return self._fcfs[0] if self.policy == "fcfs" else self._heap[0][3]
-
-    def pop(self) -> Request:
-        return self._fcfs.popleft() if self.policy == "fcfs" else heapq.heappop(self._heap)[3]
-
-    def remove(self, reqs: Iterable[Request]) -> None:
-        ids = {id(r) for r in reqs}
-        if self.policy == "fcfs":
-            self._fcfs = deque(r for r in self._fcfs if id(r) not in ids)
-        else:
-            self._heap = [e for e in self._heap if id(e[3]) not in ids]
-            heapq.heapify(self._heap)
-
-
 class Scheduler:
     """The waiting queue, the running list, the swapped queue and their `KVCacheManager`;
     `structured_output` (a `StructuredOutputManager`) fills the bitmasks of constrained
@@ -128,11 +95,13 @@ class Scheduler:
         config: SchedulerConfig,
         kv_cache_manager: KVCacheManager,
         structured_output=None,
+        speculator: Speculator | None = None,
     ):
         self.config = config
+        self.spec = speculator
         self.kv = kv_cache_manager
         self.requests: dict[str, Request] = {}  # every request not yet reported finished
-        self.waiting = _WaitingQueue(config.scheduling_policy)
+        self.waiting = WaitingQueue(config.scheduling_policy)
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
         self.forks = ForkGroups()
@@ -196,6 +165,8 @@ class Scheduler:
         if request.detokenizer is not None:
             request.detokenizer.flush(request.output_token_ids)
         self.kv.free(request)
+        if self.spec is not None:
+            self.spec.forget(request.request_id)
         self.finished_req_ids.add(request.request_id)
         head = self.forks.parent_ended(request)
         if head is not None:
@@ -276,13 +247,19 @@ class Scheduler:
         while i < len(self.running) and step.budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, step.budget)
-            new_blocks = self.kv.allocate_slots(req, n)
+            drafts = self.spec.propose(req, n, step.budget) if self.spec is not None else ()
+            ahead = len(drafts) + self._lookahead(req, n)
+            new_blocks = self.kv.allocate_slots(req, n + ahead)
+            if new_blocks is None and ahead:  # no block for the lookahead: no proposals
+                drafts = ()
+                new_blocks = self.kv.allocate_slots(req, n)
             while new_blocks is None and req in self.running:
                 if len(self.running) == 1:
                     self._stop_for_lack_of_cache(req, step)
                     break
                 victim = self.running.pop()
                 self._preempt(victim, step)
+                drafts = ()  # no preemption for the lookahead's sake
                 if victim is not req:
                     new_blocks = self.kv.allocate_slots(req, n)
             if new_blocks is None:
@@ -290,7 +267,7 @@ class Scheduler:
             step.cached[req.request_id] = CachedRequestData(
                 req.request_id, tuple(new_blocks), tuple(self.kv.take_replaced(req.request_id))
             )
-            self._add_seq(req, n, step)
+            self._add_seq(req, n, step, drafts)
             i += 1
 
     def _schedule_swapped(self, step: _StepPlan) -> None:
@@ -319,13 +296,21 @@ class Scheduler:
             if n > step.budget and not cfg.enable_chunked_prefill:
                 break
             n = min(n, step.budget)
-            if self.kv.allocate_slots(req, n, hits) is None:
+            ahead = self._lookahead(req, n + num_hit_tokens)
+            if self.kv.allocate_slots(req, n + ahead, hits) is None:
                 break
             self.waiting.pop()
             req.num_computed_tokens += num_hit_tokens
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit_tokens
             self._start(req, n, step)
+
+    def _lookahead(self, req: Request, n: int) -> int:
+        """Slots past this step's tokens that the draft model writes after it (the request
+        samples this step), so that its proposals never land in the null block."""
+        if self.spec is None or req.num_computed_tokens + n != req.num_tokens:
+            return 0
+        return self.spec.num_lookahead_tokens
 
     def _start(self, req: Request, n: int, step: _StepPlan) -> None:
         """Moves a request into the running batch; the runner gets its whole table."""
@@ -342,21 +327,22 @@ class Scheduler:
         )
         self._add_seq(req, n, step)
 
-    def _add_seq(self, req: Request, n: int, step: _StepPlan) -> None:
+    def _add_seq(self, req: Request, n: int, step: _StepPlan, drafts: tuple[int, ...] = ()) -> None:
         start = req.num_computed_tokens
         samples = start + n == req.num_tokens
         k = req.spec.longest_bad_word - 1
         recent = tuple(req.output_token_ids[-k:]) if samples and k > 0 else ()
         step.seqs[req.request_id] = ScheduledSeq(
             req.request_id,
-            tuple(req.all_token_ids[start : start + n]),
+            tuple(req.all_token_ids[start : start + n]) + drafts,
             start,
             req.num_output_tokens,
             samples,
             recent,
+            len(drafts),
         )
         self.prompt_tokens_computed += max(0, min(start + n, req.num_prompt_tokens) - start)
-        step.budget -= n
+        step.budget -= n + len(drafts)
 
     def _preempt(self, request: Request, step: _StepPlan) -> None:
         request.num_preemptions += 1
@@ -374,6 +360,8 @@ class Scheduler:
                 "host swap space is full; recomputing request %s instead", request.request_id
             )
         self.kv.free(request)
+        if self.spec is not None:
+            self.spec.forget(request.request_id)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         self.waiting.add_front(request)
@@ -392,7 +380,11 @@ class Scheduler:
     # ----------------------------------------------------------------- after the step
 
     def update_from_output(
-        self, out: SchedulerOutput, sampled: dict[str, SampledToken]
+        self,
+        out: SchedulerOutput,
+        sampled: dict[str, SampledToken],
+        spec_tokens: dict[str, list[SampledToken]] | None = None,
+        draft_token_ids: dict[str, tuple[int, ...]] | None = None,
     ) -> list[Request]:
         """Advances the scheduled requests, appends their sampled tokens and ends those that
         are done (in this order: EOS, a stop token id, max_tokens or max_model_len, a stop
@@ -402,6 +394,8 @@ class Scheduler:
             out: this step's `SchedulerOutput`.
             sampled: request id -> its `SampledToken`, for requests whose scheduled tokens
                 reached their end (a request mid-prefill samples nothing).
+            spec_tokens: request id -> the tokens kept after its sampled one (speculation).
+            draft_token_ids: request id -> the draft model's proposals for its next step.
 
         Returns:
             The requests that received a token this step, and those `schedule()` stopped for
@@ -412,21 +406,32 @@ class Scheduler:
             req = self.requests.get(seq.req_id)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # ended meanwhile (aborted, or stopped for lack of KV cache)
-            req.num_computed_tokens += len(seq.token_ids)
+            req.num_computed_tokens += len(seq.token_ids) - seq.num_draft_tokens
             token = sampled.get(seq.req_id)
             if token is None:
                 continue
-            req.append_output_token(token.token_id, token.logprob)
-            if req.structured_output is not None:
-                req.structured_output.accept(token.token_id)
-            if self.forks.has_siblings(req):
-                for child in self.forks.fork(req, self.kv):
-                    self.waiting.add_front(child)
-            status = self._check_stop(req)
-            if status is not None:
-                self.running.remove(req)
-                self._finish(req, status)
-                del self.requests[req.request_id]
+            tokens = [token]
+            if seq.num_draft_tokens:
+                tokens += (spec_tokens or {}).get(seq.req_id, [])
+                self.spec.record(seq.num_draft_tokens, len(tokens) - 1)
+            for j, t in enumerate(tokens):
+                if j:  # an accepted proposal's K/V is cached: it was computed this step
+                    req.num_computed_tokens += 1
+                req.append_output_token(t.token_id, t.logprob)
+                if req.structured_output is not None:
+                    req.structured_output.accept(t.token_id)
+                if self.forks.has_siblings(req):
+                    for child in self.forks.fork(req, self.kv):
+                        self.waiting.add_front(child)
+                status = self._check_stop(req)
+                if status is not None:
+                    self.running.remove(req)
+                    self._finish(req, status)
+                    del self.requests[req.request_id]
+                    break
+            else:
+                if draft_token_ids and seq.req_id in draft_token_ids:
+                    self.spec.set_drafts(seq.req_id, draft_token_ids[seq.req_id])
             progressed.append(req)
         return progressed
 

@@ -8,6 +8,12 @@ arrays (`PackedLayout.unpack`), so each step costs one host-to-device copy.
 Buckets: the token count T is padded up the ladder 16, 32, 64, ... max_num_batched_tokens;
 the sequence count S and the prefill-tile count NT follow from T (S = min(T, max_num_seqs),
 NT = ceil(T / Tq) + min(S, T // 2)), so the step compiles once per rung of the T ladder.
+
+Sampler rows: one per sequence, except with speculative decoding (`num_speculative_tokens`
+K > 0), where a sequence with k proposed tokens gets k + 1 rows (the target's distribution
+after its last known token and after each proposal); the row count R = min(T, S * (K + 1))
+and the verification fields (`draft_token`, `row_start`, `prior_drafts`, `num_rows`) are in
+the layout only when K > 0, so a step without speculation is packed as before.
 """
 
 from __future__ import annotations
@@ -76,9 +82,25 @@ class PackedLayout:
     num_seqs: int
     num_block_cols: int
     num_tiles: int
+    spec_width: int = 0  # K, the most proposed tokens per sequence (0: no speculation)
+
+    @property
+    def num_rows(self) -> int:
+        """R, the sampler rows: S, or min(T, S * (K + 1)) with speculation."""
+        if not self.spec_width:
+            return self.num_seqs
+        return min(self.num_tokens, self.num_seqs * (self.spec_width + 1))
 
     def fields(self) -> list[tuple[str, tuple[int, ...]]]:
         T, S, B, NT = self.num_tokens, self.num_seqs, self.num_block_cols, self.num_tiles
+        R, K = self.num_rows, self.spec_width
+        spec = [
+            ("draft_token", (R,)),  # the proposal row r verifies; -1 on a run's last row
+            ("row_start", (R,)),  # the first row of the row's sequence
+            ("first_row", (S,)),  # each sequence's first row
+            ("prior_drafts", (R, K)),  # proposals before the row's (penalty counts), -1 pad
+            ("num_rows", ()),
+        ]
         return [
             ("input_ids", (T,)),
             ("positions", (T,)),
@@ -87,7 +109,7 @@ class PackedLayout:
             ("seq_lens", (S,)),
             ("query_start_loc", (S + 1,)),
             ("last_token_index", (S,)),
-            ("logits_indices", (S,)),
+            ("logits_indices", (R,)),
             ("block_tables", (S, B)),
             ("tile_seq", (NT,)),
             ("tile_q_start", (NT,)),
@@ -97,8 +119,9 @@ class PackedLayout:
             ("want_logprobs", ()),
             ("want_prompt", ()),
             ("use_bitmask", ()),  # set by the runner when a row is constrained
-            *((name, (S,)) for name in SAMPLING_ROW_FIELDS),
-            ("banned", (S, MAX_BANNED)),
+            *((name, (R,)) for name in SAMPLING_ROW_FIELDS),
+            ("banned", (R, MAX_BANNED)),
+            *(spec if K else ()),
         ]
 
     @property
@@ -131,7 +154,8 @@ class PackedLayout:
 @dataclasses.dataclass
 class StepBatch:
     """A packed step. buffer: [size] int32, or [M, size] for M micro-batches (M > 0);
-    sample_rows[i]: the sampler row of sequence i (micro-batch m's row r is m * S + r);
+    sample_rows[i]: the (first) sampler row of sequence i (micro-batch m's row r is
+    m * S + r); with speculation, its k proposals are verified on the rows after it;
     token_rows[i]: the flat indices (m * T + offset) of sequence i's scheduled tokens."""
 
     layout: PackedLayout
@@ -153,6 +177,9 @@ class SeqInput:
         `seed` is any int, taken modulo 2**64 and packed as two int32 words, `seed_lo` and
         `seed_hi` (see `split_seed`).
     banned: token ids masked this step (at most MAX_BANNED).
+    num_draft: k, the proposed tokens at the end of `token_ids` (speculative decoding); the
+        sequence then gets k + 1 sampler rows, row j drawing token `token_index + j`.
+    row_banned: with proposals, the banned ids of each of the k + 1 rows (else `banned`).
     prompt_targets: [n] int32 or None; for prompt logprobs, the prompt token each scheduled
         position predicts (-1 where none).
     """
@@ -173,6 +200,8 @@ class SeqInput:
     slot: int = 0
     counts: bool = True
     banned: tuple[int, ...] = ()
+    num_draft: int = 0
+    row_banned: tuple[tuple[int, ...], ...] | None = None
     want_logprobs: bool = False
     prompt_targets: np.ndarray | None = None
 
@@ -190,7 +219,9 @@ class BatchBuilder:
         query_tile_size: int = 32,
         kv_chunk_pages: int = 8,
         scratch_slot: int = 0,
+        num_speculative_tokens: int = 0,
     ):
+        self.spec_width = num_speculative_tokens
         self.block_size = block_size
         self.scratch_slot = scratch_slot
         self.max_num_seqs = max_num_seqs
@@ -205,7 +236,7 @@ class BatchBuilder:
         T = num_tokens_bucket
         S = min(T, self.max_num_seqs)
         NT = math.ceil(T / self.query_tile_size) + min(S, T // 2)
-        return PackedLayout(T, S, self.num_block_cols, NT)
+        return PackedLayout(T, S, self.num_block_cols, NT, self.spec_width)
 
     def bucket_for(self, num_tokens: int, num_seqs: int) -> int:
         """The smallest bucket that holds the step.
@@ -232,10 +263,11 @@ class BatchBuilder:
             layout, buf = self.build(seqs)
             v = layout.views(buf)
             qsl = v["query_start_loc"]
+            first_rows = np.cumsum([0] + [1 + s.num_draft for s in seqs[:-1]]).tolist()
             return StepBatch(
                 layout,
                 buf,
-                list(range(len(seqs))),
+                first_rows if seqs else [],
                 [np.arange(qsl[i], qsl[i + 1]) for i in range(len(seqs))],
                 0,
             )
@@ -322,7 +354,6 @@ class BatchBuilder:
         v["query_start_loc"][n_seqs + 1 :] = total
         v["last_token_index"][:n_seqs] = qsl[1:] - 1
         v["last_token_index"][n_seqs:] = T
-        v["logits_indices"][:n_seqs] = qsl[1:] - 1
         if tiles:
             arr = np.asarray(tiles, np.int32)
             v["tile_seq"][: len(tiles)] = arr[:, 0]
@@ -330,26 +361,7 @@ class BatchBuilder:
             v["tile_q_len"][: len(tiles)] = arr[:, 2]
             v["tile_kv_len"][: len(tiles)] = arr[:, 3]
         v["num_tiles"][...] = len(tiles)
-        seed_words = np.asarray([split_seed(s.seed) for s in seqs], np.int32).reshape(-1, 2)
-        for name in SAMPLING_ROW_FIELDS:
-            col = v[name]
-            if name in FLOAT_FIELDS:
-                col[:n_seqs] = np.asarray([getattr(s, name) for s in seqs], np.float32).view(
-                    np.int32
-                )
-                col[n_seqs:] = np.float32(_ROW_DEFAULTS.get(name, 0.0)).view(np.int32)
-            elif name in ("seed_lo", "seed_hi"):
-                col[:n_seqs] = seed_words[:, 0 if name == "seed_lo" else 1]
-            else:
-                col[:n_seqs] = [int(getattr(s, name)) for s in seqs]
-        v["slot"][n_seqs:] = self.scratch_slot
-        v["counts"][n_seqs:] = 0
-        banned = v["banned"]
-        banned.fill(-1)
-        for i, s in enumerate(seqs):
-            if len(s.banned) > MAX_BANNED:
-                raise ValueError(f"more than {MAX_BANNED} banned tokens in one step")
-            banned[i, : len(s.banned)] = s.banned
+        self._pack_rows(v, seqs, qsl, layout)
         v["want_logprobs"][...] = any(s.want_logprobs for s in seqs)
         targets = v["prompt_targets"]
         targets.fill(-1)
@@ -361,3 +373,61 @@ class BatchBuilder:
                 want_prompt = True
         v["want_prompt"][...] = want_prompt
         return layout, buf
+
+    def _pack_rows(self, v, seqs: list[SeqInput], qsl: np.ndarray, layout: PackedLayout) -> None:
+        """The sampler rows: one per sequence, or 1 + k for a sequence with k proposals
+        (row j: logits after its j-th proposal, token index + j, its own banned ids)."""
+        n_seqs = len(seqs)
+        nrows = np.asarray([1 + s.num_draft for s in seqs], np.int64)
+        R = int(nrows.sum())
+        if layout.num_rows < R:
+            raise ValueError(f"{R} sampler rows exceed {layout}")
+        seq_of = np.repeat(np.arange(n_seqs), nrows)  # [R] the row's sequence
+        first = np.zeros(n_seqs, np.int64)
+        np.cumsum(nrows[:-1], out=first[1:])
+        j = np.arange(R) - first[seq_of]  # the row's index within its sequence
+        last = qsl[1:] - 1  # [n_seqs] flat index of each sequence's last token
+        ndraft = nrows - 1
+        v["logits_indices"][:R] = (last - ndraft)[seq_of] + j
+        seed_words = np.asarray([split_seed(s.seed) for s in seqs], np.int32).reshape(-1, 2)
+        for name in SAMPLING_ROW_FIELDS:
+            col = v[name]
+            if name in FLOAT_FIELDS:
+                vals = np.asarray([getattr(s, name) for s in seqs], np.float32).view(np.int32)
+                col[R:] = np.float32(_ROW_DEFAULTS.get(name, 0.0)).view(np.int32)
+            elif name in ("seed_lo", "seed_hi"):
+                vals = seed_words[:, 0 if name == "seed_lo" else 1]
+            else:
+                vals = np.asarray([int(getattr(s, name)) for s in seqs], np.int64)
+            col[:R] = vals[seq_of] if n_seqs else vals
+        v["token_index"][:R] += j
+        v["slot"][R:] = self.scratch_slot
+        v["counts"][R:] = 0
+        banned = v["banned"]
+        banned.fill(-1)
+        r = 0
+        for s in seqs:
+            per_row = s.row_banned if s.row_banned is not None else (s.banned,)
+            for b in per_row:
+                if len(b) > MAX_BANNED:
+                    raise ValueError(f"more than {MAX_BANNED} banned tokens in one step")
+                banned[r, : len(b)] = b
+                r += 1
+            r += 1 + s.num_draft - len(per_row)
+        if not layout.spec_width:
+            return
+        draft, prior = v["draft_token"], v["prior_drafts"]
+        draft.fill(-1)
+        prior.fill(-1)
+        v["row_start"][:] = np.arange(layout.num_rows)
+        v["row_start"][:R] = first[seq_of]
+        v["first_row"][:n_seqs] = first
+        v["num_rows"][...] = R
+        for i, s in enumerate(seqs):
+            k = s.num_draft
+            if k:
+                d = s.token_ids[len(s.token_ids) - k :]
+                r0 = int(first[i])
+                draft[r0 : r0 + k] = d
+                for jj in range(1, k + 1):
+                    prior[r0 + jj, :jj] = d[:jj]

@@ -36,6 +36,7 @@ from pagedjax.engine.interface import (
     SchedulerOutput,
 )
 from pagedjax.executor import step as step_fn
+from pagedjax.executor.draft_model import DraftRunner
 from pagedjax.executor.input_batch import BatchBuilder, SeqInput
 from pagedjax.executor.model_loading import stage_layout
 from pagedjax.executor.request_state import RequestState, bias_row
@@ -95,6 +96,8 @@ class ModelRunner:
         self.kv_dtype = kv_cache_jnp_dtype(cc.kv_cache_dtype, mc.dtype)  # float8 for "fp8"
         chunk_pages = max(1, KV_CHUNK_TOKENS // cc.block_size)
         self.num_slots = sc.max_num_seqs + 1  # the last one is the scratch slot of padding
+        spec = config.speculative_config
+        self.num_speculative_tokens = spec.num_speculative_tokens if spec is not None else 0
         self.builder = BatchBuilder(
             max_num_batched_tokens=sc.max_num_batched_tokens,
             max_num_seqs=sc.max_num_seqs,
@@ -103,6 +106,7 @@ class ModelRunner:
             query_tile_size=QUERY_TILE_SIZE,
             kv_chunk_pages=chunk_pages,
             scratch_slot=self.num_slots - 1,
+            num_speculative_tokens=self.num_speculative_tokens,
         )
         pp = config.parallel_config.pipeline_parallel_size
         self.num_microbatches = pp if pp > 1 else 0  # one micro-batch per stage
@@ -145,13 +149,18 @@ class ModelRunner:
         self.num_host_blocks = 0
         self.requests: dict[str, RequestState] = {}
         self._free_slots = list(range(self.num_slots - 2, -1, -1))
+        self.draft: DraftRunner | None = None  # speculative decoding's draft model
+        if spec is not None and spec.method == "draft_model":
+            self.draft = DraftRunner(config, plan.mesh, cc.block_size, self.kv_dtype, self._static)
 
     # ----------------------------------------------------------------- memory
 
     def bytes_per_block(self) -> int:
-        """KV bytes of one block over all the cache's layer rows (`num_cache_layers`)."""
+        """KV bytes of one block over all the cache's layer rows (`num_cache_layers`), and of
+        the draft model's cache (speculative decoding)."""
         a = self.arch
-        return kv_cache_bytes_per_block(
+        draft = self.draft.bytes_per_block() if self.draft is not None else 0
+        return draft + kv_cache_bytes_per_block(
             self.num_cache_layers, self.block_size, a.num_key_value_heads, a.head_dim, self.kv_dtype
         )
 
@@ -220,7 +229,7 @@ class ModelRunner:
 
     def _bitmask_shape(self, layout) -> tuple[int, int]:
         """[sampler rows, ceil(V / 32)]: the step's structured-output bitmask."""
-        rows = layout.num_seqs * max(1, self.num_microbatches)
+        rows = layout.num_rows * max(1, self.num_microbatches)
         return rows, (self.arch.vocab_size + 31) // 32
 
     def _step_bitmask(self, so: SchedulerOutput, batch):
@@ -259,6 +268,8 @@ class ModelRunner:
             self.num_cache_layers, num_blocks, self.block_size, a.num_key_value_heads, a.head_dim
         )
         self.kv_cache = init_kv_cache(shape, self.kv_dtype, self.plan.kv_cache())
+        if self.draft is not None:
+            self.draft.allocate(num_blocks)
         self.num_host_blocks = num_host_blocks
         if num_host_blocks:
             host_shape = (2, self.num_cache_layers, num_host_blocks + 1, *shape[2:])
@@ -307,6 +318,9 @@ class ModelRunner:
         ids = spec((BLOCK_OP_BATCH,))
         copy = jax.jit(step_fn.copy_blocks, donate_argnums=0)
         self._ops["copy"] = copy.lower(kv_spec, ids, ids).compile()
+        if self.draft is not None:
+            layouts = {self._layout_key(T): self.builder.layout(T) for T in buckets}
+            self.draft.warmup(layouts, step_fn.copy_blocks, ids)
         if self.num_host_blocks:
             gather = jax.jit(step_fn.gather_blocks).lower(kv_spec, ids)
             data = spec(gather.out_info.shape, gather.out_info.dtype)
@@ -352,6 +366,8 @@ class ModelRunner:
             src[: len(pairs)] = [a for a, _ in pairs]
             dst[: len(pairs)] = [b for _, b in pairs]
             self.kv_cache = self._ops["copy"](self.kv_cache, src, dst)
+            if self.draft is not None:
+                self.draft.copy_blocks(src, dst)
 
     def _drop(self, req_id: str) -> None:
         st = self.requests.pop(req_id, None)
@@ -428,7 +444,11 @@ class ModelRunner:
             self.params, self.kv_cache, self.sampling_state, batch.buffer, bitmask
         )
         s = out.sampled
+        drafts = None
+        if self.draft is not None:
+            drafts = self.draft.run(batch.layout.num_tokens, batch.buffer, s.token_ids, out.kept)
         token_ids, logprobs = np.asarray(s.token_ids), np.asarray(s.logprobs)
+        kept = np.asarray(out.kept) if self.num_speculative_tokens else None
         t2 = time.perf_counter()
         want_logprobs = any(x.want_logprobs for x in seqs)
         if want_logprobs:
@@ -442,15 +462,29 @@ class ModelRunner:
                 )
             if not seq.counts:
                 continue
-            r = batch.sample_rows[i]
-            sampled = SampledToken(int(token_ids[r]), float(logprobs[r]))
-            if spec.logprobs is not None and want_logprobs:
-                k = spec.logprobs
-                sampled.rank = int(ranks[r])
-                sampled.top = [
-                    (int(a), float(b)) for a, b in zip(top_ids[r, :k], top_lps[r, :k], strict=True)
-                ]
-            result.sampled[sched.req_id] = sampled
+            r0 = batch.sample_rows[i]
+            run = [r0]
+            if seq.num_draft:  # the kept rows: the first, then while proposals were accepted
+                run += [r for r in range(r0 + 1, r0 + 1 + seq.num_draft) if kept[r]]
+            toks = []
+            for r in run:
+                sampled = SampledToken(int(token_ids[r]), float(logprobs[r]))
+                if spec.logprobs is not None and want_logprobs:
+                    k = spec.logprobs
+                    sampled.rank = int(ranks[r])
+                    sampled.top = [
+                        (int(a), float(b))
+                        for a, b in zip(top_ids[r, :k], top_lps[r, :k], strict=True)
+                    ]
+                toks.append(sampled)
+            result.sampled[sched.req_id] = toks[0]
+            if seq.num_draft:
+                result.spec_tokens[sched.req_id] = toks[1:]
+        if drafts is not None:
+            drafts = np.asarray(drafts)
+            for i, sched in enumerate(so.scheduled):
+                if sched.req_id in result.sampled:
+                    result.draft_token_ids[sched.req_id] = tuple(drafts[i].tolist())
         return result
 
     def _prompt_logprobs(self, out, token_rows, seq: SeqInput, k: int) -> PromptLogprobs:

@@ -51,15 +51,15 @@ class RequestState:
     def seq_input(self, seq: ScheduledSeq) -> SeqInput:
         """What this request computes in the step `seq` describes (its row of the batch)."""
         spec, start, n = self.spec, seq.num_computed_tokens, len(seq.token_ids)
-        banned: list[int] = []
-        if seq.samples:
-            if seq.num_output_tokens < spec.min_tokens:
-                banned.extend(spec.stop_token_ids)
-            recent = seq.recent_output_ids
-            for word in self.bad_words:
-                k = len(word) - 1
-                if len(recent) >= k and recent[len(recent) - k :] == word[:-1]:
-                    banned.append(word[-1])
+        banned = self._banned(seq.num_output_tokens, seq.recent_output_ids) if seq.samples else ()
+        row_banned = None
+        k = seq.num_draft_tokens
+        if k:  # row j follows the first j proposals
+            drafts = seq.token_ids[n - k :]
+            row_banned = tuple(
+                self._banned(seq.num_output_tokens + j, seq.recent_output_ids + drafts[:j])
+                for j in range(k + 1)
+            )
         targets = None
         P = spec.num_prompt_tokens
         if spec.prompt_logprobs is not None and start + 1 < P:
@@ -73,10 +73,24 @@ class RequestState:
             token_index=seq.num_output_tokens,
             slot=self.slot,
             counts=seq.samples,
-            banned=tuple(dict.fromkeys(banned)),
+            banned=banned,
+            num_draft=k,
+            row_banned=row_banned,
             prompt_targets=targets,
             **self.row,
         )
+
+    def _banned(self, num_output_tokens: int, recent: tuple[int, ...]) -> tuple[int, ...]:
+        """Ids banned for the output token at index `num_output_tokens`, after `recent`:
+        stop ids before min_tokens, the last token of a bad word whose prefix just ended."""
+        banned: list[int] = []
+        if num_output_tokens < self.spec.min_tokens:
+            banned.extend(self.spec.stop_token_ids)
+        for word in self.bad_words:
+            k = len(word) - 1
+            if len(recent) >= k and recent[len(recent) - k :] == word[:-1]:
+                banned.append(word[-1])
+        return tuple(dict.fromkeys(banned))
 
 
 def has_bias(spec: RequestSpec) -> bool:

@@ -24,6 +24,7 @@ from pagedjax.executor.input_batch import PackedLayout
 from pagedjax.models import registry
 from pagedjax.ops.attention import METADATA_FIELDS, AttentionMetadata
 from pagedjax.ops.bitmask import maybe_apply_token_bitmask
+from pagedjax.ops.rejection_sampler import accepted_rows
 from pagedjax.ops.sampling import (
     SamplerOutput,
     SamplingMetadata,
@@ -42,12 +43,15 @@ LOGITS_ROW_BLOCK = 64  # rows per LM-head block when a step has more rows than t
 class StepOutput:
     """What a step returns to the host.
 
-    sampled: the `SamplerOutput` of the S rows. prompt_*: per flat token [T] (and [T, k]),
-    the logprob, rank and top-k alternatives of the prompt token it predicts (zeros unless
-    the step had prompt-logprob targets).
+    sampled: the `SamplerOutput` of the R sampler rows (S, or more with speculation).
+    prompt_*: per flat token [T] (and [T, k]), the logprob, rank and top-k alternatives of the
+    prompt token it predicts (zeros unless the step had prompt-logprob targets).
+    kept: [R] bool, the row's draw is an output token (all True without speculation; with
+    it, `ops.rejection_sampler.accepted_rows`).
     """
 
     sampled: SamplerOutput
+    kept: jax.Array
     prompt_logprob: jax.Array
     prompt_rank: jax.Array
     prompt_top_ids: jax.Array
@@ -123,8 +127,9 @@ def step(
         # [M * S, V]: rows of M parts interleave
         logits = model.compute_logits(params, rows, cfg=cfg)
     else:
-        num_rows = jnp.sum(parts[0]["seq_lens"] > 0)  # the real rows come first
-        logits = _logits_of_rows(model, params, rows, num_rows, cfg)  # [S, V]
+        # The real rows come first.
+        real = parts[0]["num_rows"] if layout.spec_width else jnp.sum(parts[0]["seq_lens"] > 0)
+        logits = _logits_of_rows(model, params, rows, real, cfg)  # [R, V]
 
     def cat(name):
         return jnp.concatenate([a[name] for a in parts])
@@ -150,9 +155,21 @@ def step(
     want_prompt = jnp.any(jnp.stack([a["want_prompt"] for a in parts]) != 0)
     use_bitmask = jnp.any(jnp.stack([a["use_bitmask"] for a in parts]) != 0)
     logits = maybe_apply_token_bitmask(logits, bitmask, use_bitmask)
+    prior = parts[0]["prior_drafts"] if layout.spec_width else None
     sampled = sample(
-        logits, sm, sampling_state, max_logprobs=max_logprobs, want_logprobs=want_logprobs
+        logits,
+        sm,
+        sampling_state,
+        max_logprobs=max_logprobs,
+        want_logprobs=want_logprobs,
+        prior_tokens=prior,
     )
+    if layout.spec_width:  # verify the proposals; only kept draws reach the counts
+        a = parts[0]
+        kept = accepted_rows(sampled.token_ids, a["draft_token"], a["row_start"])
+        sm = sm.replace(counts=sm.counts & kept)
+    else:
+        kept = jnp.ones(sampled.token_ids.shape, jnp.bool_)
     sampling_state = count_sampled(sampling_state, sm, sampled.token_ids)
     T, k = hidden.shape[0], max_logprobs
 
@@ -174,7 +191,7 @@ def step(
         )
 
     plp, prank, pids, plps = jax.lax.cond(want_prompt, with_prompt, without)
-    return StepOutput(sampled, plp, prank, pids, plps), kv_cache, sampling_state
+    return StepOutput(sampled, kept, plp, prank, pids, plps), kv_cache, sampling_state
 
 
 def _logits_of_rows(model, params, rows, num_rows, cfg):

@@ -172,8 +172,12 @@ def _row_keys(seed_lo: jax.Array, seed_hi: jax.Array, token_index: jax.Array) ->
     return jax.vmap(key)(seed_lo, seed_hi, token_index)
 
 
-def _process(logits: jax.Array, sm: SamplingMetadata, state: SamplingState) -> jax.Array:
-    """Steps 1 and 2 of the module docstring. [S, V] -> [S, V]."""
+def _process(
+    logits: jax.Array, sm: SamplingMetadata, state: SamplingState, prior_tokens=None
+) -> jax.Array:
+    """Steps 1 and 2 of the module docstring. [S, V] -> [S, V]. `prior_tokens` [S, K] int32
+    (-1: none): output tokens not yet in the slot's counts (the proposals a speculative row
+    follows), counted by the penalties as if they were."""
     S, V = logits.shape
 
     def bias(x):
@@ -194,9 +198,14 @@ def _process(logits: jax.Array, sm: SamplingMetadata, state: SamplingState) -> j
     )
 
     def penalize(x):
+        counts = state.output_counts[sm.slot]
+        if prior_tokens is not None:
+            rows = jnp.broadcast_to(jnp.arange(S)[:, None], prior_tokens.shape)
+            ids = jnp.where(prior_tokens >= 0, prior_tokens, V)  # V: dropped
+            counts = counts.at[rows, ids].add(1, mode="drop")
         return apply_penalties(
             x,
-            state.output_counts[sm.slot],
+            counts,
             state.prompt_mask[sm.slot],
             sm.repetition_penalty,
             sm.presence_penalty,
@@ -213,6 +222,7 @@ def sample(
     *,
     max_logprobs: int,
     want_logprobs: jax.Array,
+    prior_tokens: jax.Array | None = None,
 ) -> SamplerOutput:
     """Draws one token per row.
 
@@ -224,11 +234,13 @@ def sample(
         want_logprobs: scalar bool: compute log_softmax(logits) and from it the sampled
             tokens' logprobs and ranks and the top-k alternatives (else all zeros: a step in
             which no request asked for logprobs skips the [S, V] softmax).
+        prior_tokens: [S, K] int32 or None: per row, output tokens the penalties count on
+            top of the slot's (speculative rows: the proposals before the row's), -1 pad.
 
     Returns:
         A `SamplerOutput`.
     """
-    x = _process(logits, sm, state)
+    x = _process(logits, sm, state, prior_tokens)
     greedy_ids = jnp.argmax(x, axis=-1).astype(jnp.int32)
     greedy = sm.temperature < SAMPLING_EPS
 
