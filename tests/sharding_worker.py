@@ -168,6 +168,7 @@ def hf_window_report(folder: Path, prompts: list[list[int]]) -> dict[str, list[l
 
 def run_model(folder: Path, cache_dir: str, layouts: list[str], prompts) -> dict:
     from pagedjax import LLM, SamplingParams
+    from pagedjax.sharding.rules import max_device_bytes
 
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     report = {}
@@ -200,7 +201,7 @@ def run_model(folder: Path, cache_dir: str, layouts: list[str], prompts) -> dict
                     "usable_blocks": r.kv_cache_manager.pool.num_usable_blocks,
                     "collectives": collectives(r.runner),
                     "param_bytes": r.layout["param_bytes_per_device"],
-                    "weight_bytes": r.runner.weight_bytes(),
+                    "weight_bytes": max_device_bytes(r.runner.params),
                 }
                 for r in replicas
             ],

@@ -48,7 +48,7 @@ from pagedjax.ops.kv_cache import (
     kv_cache_shape,
 )
 from pagedjax.ops.sampling import init_sampling_state, init_state_rows, set_bias_rows
-from pagedjax.sharding.rules import ShardingPlan, per_device_bytes
+from pagedjax.sharding.rules import ShardingPlan, max_device_bytes, per_device_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -164,12 +164,6 @@ class ModelRunner:
             self.num_cache_layers, self.block_size, a.num_key_value_heads, a.head_dim, self.kv_dtype
         )
 
-    def weight_bytes(self) -> int:
-        """Bytes of params on the device that holds the most of them (each device's share
-        of its sharded weights: a tensor-parallel split, a pipeline stage, num_experts / TP
-        whole experts under expert parallelism)."""
-        return max(per_device_bytes(self.params).values())
-
     def determine_num_blocks(self) -> int:
         """Blocks the KV cache gets (block 0, the null block, included).
 
@@ -190,9 +184,8 @@ class ModelRunner:
             need = sc.max_num_seqs * math.ceil(self.max_model_len / self.block_size) + 1
             return max(2, min(need, CPU_DEFAULT_KV_CACHE_BYTES // per_block))
         budget = int(stats["bytes_limit"] * cc.gpu_memory_utilization)
-        # per device: sharded weights (tensor-parallel columns, experts split over devices
-        # under expert parallelism, pipeline stages) count for what one device holds
-        fixed = self.weight_bytes() + sum(x.nbytes for x in jax.tree.leaves(self.sampling_state))
+        fixed = max_device_bytes(self.params)  # each device's share of the sharded weights
+        fixed += sum(x.nbytes for x in jax.tree.leaves(self.sampling_state))
         activations = self._activation_bytes()
         free = budget - fixed - activations
         if free < 2 * per_block:

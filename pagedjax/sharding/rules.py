@@ -145,3 +145,10 @@ def per_device_bytes(tree: Any) -> dict[str, int]:
             key = str(shard.device.id)
             out[key] = out.get(key, 0) + shard.data.nbytes
     return out
+
+
+def max_device_bytes(tree: Any) -> int:
+    """Bytes of a pytree's arrays on the device holding the most of them: its share of each
+    sharded array (a tensor-parallel split, a pipeline stage, num_experts / TP whole experts
+    under expert parallelism), what an accelerator's KV budget loses to the weights."""
+    return max(per_device_bytes(tree).values(), default=0)
