@@ -178,6 +178,9 @@ class ParallelConfig:
     pp_layer_partition: the layers of each stage as given by the user (vLLM's
         VLLM_PP_LAYER_PARTITION), or None: vLLM's even split (`sharding.stages`).
     data_parallel_size: replicas of the whole model, each with its own scheduler.
+    enable_expert_parallel: a mixture-of-experts model's experts are split by index over the
+        tensor-parallel devices (each holds num_experts / tensor_parallel_size whole
+        experts) instead of each expert's MLP columns.
     distributed_executor_backend: None or "mp" (processes started by the user, one per host,
         joined by JAX's distributed runtime), or "ray" (processes placed as Ray actors).
     coordinator_address, num_processes, process_id: `jax.distributed.initialize`'s
@@ -188,6 +191,7 @@ class ParallelConfig:
     pipeline_parallel_size: int = 1
     pp_layer_partition: tuple[int, ...] | None = None
     data_parallel_size: int = 1
+    enable_expert_parallel: bool = False
     distributed_executor_backend: str | None = None
     coordinator_address: str | None = None
     num_processes: int = 1

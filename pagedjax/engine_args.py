@@ -91,6 +91,11 @@ class EngineArgs:
         "before the last.",
     )
     data_parallel_size: int = _field(1, "Data-parallel size.")
+    enable_expert_parallel: bool = _field(
+        False,
+        "Mixture-of-experts models: spread whole experts over the tensor-parallel devices "
+        "(expert parallelism) instead of splitting every expert's MLP columns.",
+    )
     distributed_executor_backend: str | None = _field(
         None,
         "Multi-process backend: 'mp' (processes you start, one per host) or 'ray'.",

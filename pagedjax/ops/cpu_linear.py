@@ -29,7 +29,7 @@ import numpy as np
 from flax import struct
 
 from pagedjax.ops import cpu_kernels
-from pagedjax.ops.quant import LINEAR_WEIGHTS
+from pagedjax.ops.quant import EXPERT_WEIGHTS, LINEAR_WEIGHTS
 
 TARGET = "pagedjax_linear_cpu"
 # With `batch_invariant=False`, `ops.linear` uses the kernel on a layer of a packed stack for
@@ -91,18 +91,26 @@ def unpack(w: PackedWeight) -> jax.Array:
 
 def pack_params(params: dict, max_rows: int = 0) -> dict:
     """The params pytree with its float32 linear weights (`quant.LINEAR_WEIGHTS` of
-    params["layers"]) replaced by `PackedWeight`s, and the LM head packed as
-    params["lm_head"], a `PackedWeight` of [1, D, V]; other leaves (quantized weights, norms,
-    embeddings) unchanged. With tied embeddings the packed LM head is a second, transposed
-    copy of the embedding matrix (V x D float32: 113 MB for SmolLM2-135M). Each weight is
-    converted on its own, so the extra memory at any time is one weight's. `max_rows`: the
-    layers' `PackedWeight.max_rows` (0: native at every step size)."""
+    params["layers"]) replaced by `PackedWeight`s (a mixture-of-experts model's expert
+    stacks [L, E, K, N] too, as panels [L, E, P, K, 16]: `ops.linear.expert_linear`), and
+    the LM head packed as params["lm_head"], a `PackedWeight` of [1, D, V]; other leaves
+    (quantized weights, norms, embeddings) unchanged. With tied embeddings the packed LM
+    head is a second, transposed copy of the embedding matrix (V x D float32: 113 MB for
+    SmolLM2-135M). Each weight is converted on its own, so the extra memory at any time is
+    one weight's. `max_rows`: the layers' `PackedWeight.max_rows` (0: native at every step
+    size)."""
     layers = dict(params["layers"])
     pack_jit = jax.jit(pack)
     for name in LINEAR_WEIGHTS:
         if supports(layers.get(name)) and not isinstance(layers[name], PackedWeight):
             packed = jax.block_until_ready(pack_jit(layers[name]))
             layers[name] = packed.replace(max_rows=max_rows)
+    for name in EXPERT_WEIGHTS:  # [L, E, K, N] -> panels [L, E, P, K, 16]
+        w = layers.get(name)
+        if supports(w) and w.ndim == 4:
+            L, E, K, N = w.shape
+            p = jax.block_until_ready(pack_jit(w.reshape(L * E, K, N)))
+            layers[name] = PackedWeight(p.panels.reshape(L, E, *p.panels.shape[1:]), p.n)
     out = {**params, "layers": layers}
     head = params.get("lm_head")
     if head is None and supports(params.get("embed_tokens")):
