@@ -33,6 +33,8 @@ import time
 from benchmarks.common import environment, load_any_workload
 from benchmarks.matmul_peak import workload_flops
 
+FIRST_TOKENS = 32  # greedy tokens kept per request, to compare outputs across runs
+
 
 def _peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -76,6 +78,10 @@ def run_pagedjax(reqs: list[dict], ns, **engine_kwargs) -> dict:
         enable_prefix_caching=ns.enable_prefix_caching,
         disable_log_stats=True,
         use_tqdm_on_load=False,
+        # only when set, so that this script also drives older checkouts (A/B runs)
+        **({"kv_cache_dtype": ns.kv_cache_dtype} if ns.kv_cache_dtype != "auto" else {}),
+        **({"cpu_kernel_isa": ns.cpu_kernel_isa} if ns.cpu_kernel_isa != "auto" else {}),
+        **({} if ns.batch_invariant else {"batch_invariant": False}),
         speculative_config=ns.speculative_config,
     )
     startup = time.perf_counter() - t0
@@ -88,7 +94,7 @@ def run_pagedjax(reqs: list[dict], ns, **engine_kwargs) -> dict:
             {"prompt_token_ids": r["prompt_token_ids"]},
             SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=r["output_len"]),
         )
-    lens = {}
+    lens, first = {}, {}
     phases = ("schedule_s", "prepare_s", "device_s", "update_s", "total_s")
     split = dict.fromkeys(phases, 0.0)
     by_bucket: dict[int, list[float]] = {}  # T -> [steps, device seconds, tokens]
@@ -96,6 +102,7 @@ def run_pagedjax(reqs: list[dict], ns, **engine_kwargs) -> dict:
         for out in eng.step():
             if out.finished:
                 lens[out.request_id] = len(out.outputs[0].token_ids)
+                first[out.request_id] = list(out.outputs[0].token_ids[:FIRST_TOKENS])
         usage.append((time.perf_counter() - t0, eng.scheduler.stats().kv_cache_usage))
         timing = eng.last_step_timing
         for k in phases:
@@ -112,6 +119,7 @@ def run_pagedjax(reqs: list[dict], ns, **engine_kwargs) -> dict:
         "wall_s": wall,
         "startup_s": startup,
         "rss_bytes_with_children": rss_tree,
+        "first_tokens": [first[str(i)] for i in range(len(reqs))],
         "compile_s": eng.compile_seconds,
         "engine_steps": eng.stat_logger.num_steps,
         "model_flops": workload_flops(eng.config.model_config.arch, reqs),
@@ -256,6 +264,16 @@ def main(argv=None) -> None:
         help="vllm: the default model as a HF folder (python -m benchmarks.export_hf)",
     )
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--kv-cache-dtype", default="auto", help="pagedjax: auto | fp8 | fp8_e5m2")
+    p.add_argument(
+        "--cpu-kernel-isa", default="auto", help="pagedjax: auto | avx512 | avx2 | portable"
+    )
+    p.add_argument(
+        "--batch-invariant",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="pagedjax: batch_invariant (off: XLA's dot for steps over 128 tokens)",
+    )
     p.add_argument("--speculative-config", default=None, help="pagedjax: JSON, as vLLM's")
     ns = p.parse_args(argv)
     reqs = load_any_workload(ns.workload)
@@ -279,7 +297,9 @@ def main(argv=None) -> None:
     with open(ns.out, "w") as f:
         json.dump(result, f, indent=1)
     print(
-        json.dumps({k: v for k, v in result.items() if k not in ("env", "kv_cache_usage")}),
+        json.dumps(
+            {k: v for k, v in result.items() if k not in ("env", "kv_cache_usage", "first_tokens")}
+        ),
         file=sys.stderr,
     )
 

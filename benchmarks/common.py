@@ -35,7 +35,14 @@ def environment() -> dict:
         ).stdout.strip()
     except OSError:
         commit = ""
-    cpu, flags = _cpu()
+    cpu, flags = "", []
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = f.read().splitlines()
+        cpu = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), "")
+        flags = next((ln.split(":", 1)[1].split() for ln in lines if ln.startswith("flags")), [])
+    except OSError:
+        pass
     return {
         "commit": commit,
         "python": platform.python_version(),
@@ -44,29 +51,12 @@ def environment() -> dict:
         "devices": [str(d) for d in jax.devices()] if jax else [],
         "machine": platform.machine(),
         "cpu": cpu,
-        "cpu_simd_flags": flags,
+        # the vector extensions the native kernels' ISA paths depend on
+        "cpu_flags": sorted(f for f in flags if f.startswith(("avx", "fma", "amx"))),
         "cpu_count": os.cpu_count(),
         "load_average_1_5_15": list(os.getloadavg()),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
     }
-
-
-def _cpu() -> tuple[str, list[str]]:
-    """The CPU's model name and its vector-ISA flags (/proc/cpuinfo; empty where unreadable)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return "", []
-    first = lines[: lines.index("")] if "" in lines else lines  # the first processor's block
-    info = dict(x.split(":", 1) for x in first if ":" in x)
-    info = {k.strip(): v.strip() for k, v in info.items()}
-    flags = [
-        x
-        for x in info.get("flags", "").split()
-        if x.startswith(("avx", "amx", "fma", "f16c", "sse4")) or x in ("bmi2", "vnni")
-    ]
-    return info.get("model name", ""), flags
 
 
 def shared_prefix_workload(

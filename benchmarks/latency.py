@@ -2,6 +2,7 @@
 
     python -m benchmarks.latency [--batch-size 8,64,256] [--input-len 128] [--output-len 16]
         [--waiting 0,64,1024] [--reps 3] [--speculative-config JSON]
+        [--kv-cache-dtype auto|fp8] [--cpu-kernel-isa auto|avx512|avx2|portable]
         [--out benchmarks/results/latency.json]
 
 For each batch size B: B requests of `--input-len` random prompt tokens (distinct per
@@ -96,6 +97,8 @@ def main(argv=None) -> dict:
     p.add_argument("--waiting", type=_ints, default=[0], help="extra queued requests")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--kv-cache-dtype", default="auto", help="auto | fp8 | fp8_e5m2")
+    p.add_argument("--cpu-kernel-isa", default="auto", help="auto | avx512 | avx2 | portable")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--speculative-config", default=None, help="JSON, as vLLM's")
     p.add_argument("--out", default="benchmarks/results/latency.json")
@@ -109,6 +112,8 @@ def main(argv=None) -> dict:
     llm = LLM(
         **({"model": ns.model} if ns.model else {}),
         dtype=ns.dtype,
+        kv_cache_dtype=ns.kv_cache_dtype,
+        cpu_kernel_isa=ns.cpu_kernel_isa,
         max_model_len=max_len,
         max_num_seqs=B,
         max_num_batched_tokens=ns.max_num_batched_tokens,
@@ -162,6 +167,8 @@ def main(argv=None) -> dict:
     result = {
         "benchmark": "latency",
         "dtype": ns.dtype,
+        "kv_cache_dtype": ns.kv_cache_dtype,
+        "cpu_kernel_isa": eng.config.model_config.cpu_kernel_isa,
         "startup_s": startup,
         "compile_s": eng.compile_seconds,
         "speculative_config": ns.speculative_config,

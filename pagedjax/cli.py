@@ -129,6 +129,7 @@ BENCHMARKS = {
     "many-prompts": "many_prompts",
     "structured-outputs": "structured_outputs_quality",
     "spec-decode": "spec_decode",
+    "moe": "moe",
 }
 
 

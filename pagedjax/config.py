@@ -58,6 +58,10 @@ class ModelConfig:
             for the native CPU matmul, `ops.cpu_linear.pack_params`).
         cpu_kernel_isa: the native CPU kernels' ISA path, "avx512" | "avx2" | "portable"
             (`ops.cpu_kernels`; the engine resolves "auto" to the widest the CPU runs).
+        batch_invariant: a request's logits are the same bits whatever else shares its
+            steps: under `linear_backend="cpu"` the native matmul runs steps of every size
+            (False: steps over `cpu_linear.MAX_TOKENS` tokens use XLA's dot, whose
+            rounding depends on the step's shape).
         max_logprobs: the most logprobs / prompt_logprobs a request may ask for.
         download_dir: where conversions are cached.
         quantization: None (float weights), "int8" | "w8a8" | "fp8" (float weights quantized
@@ -82,6 +86,7 @@ class ModelConfig:
     quantization: str | None = None
     linear_backend: str = "xla"
     cpu_kernel_isa: str = "auto"
+    batch_invariant: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,6 +178,9 @@ class ParallelConfig:
     pp_layer_partition: the layers of each stage as given by the user (vLLM's
         VLLM_PP_LAYER_PARTITION), or None: vLLM's even split (`sharding.stages`).
     data_parallel_size: replicas of the whole model, each with its own scheduler.
+    enable_expert_parallel: a mixture-of-experts model's experts are split by index over the
+        tensor-parallel devices (each holds num_experts / tensor_parallel_size whole
+        experts) instead of each expert's MLP columns.
     distributed_executor_backend: None or "mp" (processes started by the user, one per host,
         joined by JAX's distributed runtime), or "ray" (processes placed as Ray actors).
     coordinator_address, num_processes, process_id: `jax.distributed.initialize`'s
@@ -183,6 +191,7 @@ class ParallelConfig:
     pipeline_parallel_size: int = 1
     pp_layer_partition: tuple[int, ...] | None = None
     data_parallel_size: int = 1
+    enable_expert_parallel: bool = False
     distributed_executor_backend: str | None = None
     coordinator_address: str | None = None
     num_processes: int = 1

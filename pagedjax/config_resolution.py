@@ -8,6 +8,7 @@ jax, the loader and the kernels inside the function, so that importing this modu
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 from pagedjax.config import (
@@ -84,6 +85,7 @@ def resolve_engine_config(args) -> EngineConfig:
     )
     if args.pipeline_parallel_size > 1 and len(set(stage_sizes)) > 1:
         logger.info("pipeline stages of uneven size: %s layers", list(stage_sizes))
+    arch = _expert_parallel_arch(arch, args)
     on_cpu = jax.default_backend() == "cpu"
     dtype = args.dtype
     if dtype == "auto":
@@ -150,6 +152,7 @@ def resolve_engine_config(args) -> EngineConfig:
         max_logprobs=args.max_logprobs,
         linear_backend=linear_backend,
         cpu_kernel_isa=cpu_kernel_isa,
+        batch_invariant=bool(args.batch_invariant),
         download_dir=args.download_dir,
         quantization=quantization,
     )
@@ -187,6 +190,7 @@ def resolve_engine_config(args) -> EngineConfig:
             pipeline_parallel_size=args.pipeline_parallel_size,
             pp_layer_partition=pp_partition,
             data_parallel_size=args.data_parallel_size,
+            enable_expert_parallel=args.enable_expert_parallel,
             distributed_executor_backend=args.distributed_executor_backend,
             coordinator_address=args.coordinator_address,
             num_processes=args.num_processes,
@@ -196,6 +200,29 @@ def resolve_engine_config(args) -> EngineConfig:
         log_stats=not args.disable_log_stats,
         speculative_config=spec,
     )
+
+
+def _expert_parallel_arch(arch, args):
+    """The architecture with expert parallelism switched on where `enable_expert_parallel`
+    asks for it.
+
+    Raises:
+        ValueError: expert parallelism for a model without experts, or a tensor-parallel
+            size that does not divide the number of experts (the message names the field).
+    """
+    if not args.enable_expert_parallel:
+        return arch
+    num_experts = getattr(arch, "num_experts", None)
+    if num_experts is None:
+        raise ValueError(
+            f"enable_expert_parallel: {arch.architecture} is not a mixture-of-experts model"
+        )
+    if num_experts % args.tensor_parallel_size:
+        raise ValueError(
+            f"enable_expert_parallel: tensor_parallel_size ({args.tensor_parallel_size}) must "
+            f"divide the model's {num_experts} experts"
+        )
+    return dataclasses.replace(arch, expert_parallel=True)
 
 
 def _check_native(field: str, on_one_cpu_device: bool) -> None:

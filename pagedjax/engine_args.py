@@ -91,6 +91,11 @@ class EngineArgs:
         "before the last.",
     )
     data_parallel_size: int = _field(1, "Data-parallel size.")
+    enable_expert_parallel: bool = _field(
+        False,
+        "Mixture-of-experts models: spread whole experts over the tensor-parallel devices "
+        "(expert parallelism) instead of splitting every expert's MLP columns.",
+    )
     distributed_executor_backend: str | None = _field(
         None,
         "Multi-process backend: 'mp' (processes you start, one per host) or 'ray'.",
@@ -118,6 +123,12 @@ class EngineArgs:
         "ISA path of the native CPU kernels ('auto': the widest the CPU runs, avx512 > avx2 > "
         "portable; a narrower one may be forced, one build of the kernels per path).",
         choices=CPU_KERNEL_ISAS,
+    )
+    batch_invariant: bool = _field(
+        True,
+        "A request's logits bit-identical whatever shares its steps (CPU, linear_backend "
+        "'cpu': the native matmul at every step size; off: XLA's dot for steps over 128 "
+        "tokens).",
     )
     max_logprobs: int = _field(20, "Most logprobs / prompt_logprobs a request may ask for.")
     download_dir: str | None = _field(

@@ -41,19 +41,23 @@ def make_tokenizer(folder: Path) -> None:
 
 def make_checkpoint(folder: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
     """Writes a tiny random checkpoint of `arch` ("llama", "qwen2", "mistral", "qwen3",
-    "phi3") to `folder`."""
+    "phi3", "mixtral", "qwen3_moe") to `folder`."""
     import torch
     from transformers import (
         LlamaConfig,
         LlamaForCausalLM,
         MistralConfig,
         MistralForCausalLM,
+        MixtralConfig,
+        MixtralForCausalLM,
         Phi3Config,
         Phi3ForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
         Qwen3Config,
         Qwen3ForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
     )
 
     classes = {
@@ -62,6 +66,8 @@ def make_checkpoint(folder: Path, arch: str = "llama", seed: int = 0, **override
         "mistral": (MistralConfig, MistralForCausalLM),
         "qwen3": (Qwen3Config, Qwen3ForCausalLM),
         "phi3": (Phi3Config, Phi3ForCausalLM),
+        "mixtral": (MixtralConfig, MixtralForCausalLM),
+        "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
     }
     config_cls, model_cls = classes[arch]
     kw = dict(
@@ -79,7 +85,7 @@ def make_checkpoint(folder: Path, arch: str = "llama", seed: int = 0, **override
         pad_token_id=0,
         initializer_range=0.1,
     )
-    if arch == "mistral":
+    if arch in ("mistral", "mixtral"):
         kw["head_dim"] = 16
         kw["sliding_window"] = None
     kw.update(overrides)

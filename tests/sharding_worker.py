@@ -35,6 +35,14 @@ LAYOUTS = {
     "int8": {"quantization": "int8"},
     "tp2-int8": {"quantization": "int8", "tensor_parallel_size": 2},
     "pp2-int8": {"quantization": "int8", "pipeline_parallel_size": 2},
+    "ep2": {"tensor_parallel_size": 2, "enable_expert_parallel": True},
+    "ep4": {"tensor_parallel_size": 4, "enable_expert_parallel": True},
+    "ep2-pp2": {
+        "tensor_parallel_size": 2,
+        "pipeline_parallel_size": 2,
+        "enable_expert_parallel": True,
+    },
+    "ep2-int8": {"tensor_parallel_size": 2, "enable_expert_parallel": True, "quantization": "int8"},
 }
 # `conftest.make_checkpoint` arguments of each model (2 layers, 4 query heads, 2 KV heads).
 MODELS = {
@@ -63,7 +71,74 @@ MODELS = {
         num_hidden_layers=3,
         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
     ),
+    # mixtures of experts: 8 experts, top-2; Qwen3-MoE with a dense layer (mlp_only_layers)
+    "mixtral": dict(arch="mixtral", num_local_experts=8, num_experts_per_tok=2),
+    "qwen3_moe": dict(
+        arch="qwen3_moe",
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+        mlp_only_layers=[1],
+    ),
+    # 3 layers: uneven stages under PP=2 (2 + 1); layer 1 dense
+    "qwen3_moe-l3": dict(
+        arch="qwen3_moe",
+        num_hidden_layers=3,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+        mlp_only_layers=[1],
+    ),
 }
+
+
+def collectives(runner) -> dict[str, dict[str, int]]:
+    """Collective ops of the compiled step (the largest bucket): for each while loop's body
+    (the layer scan's body runs once per layer), the count of each of all-to-all, all-gather,
+    reduce-scatter, all-reduce and collective-permute in it and in what it calls; and the
+    whole module's under "module"."""
+    import re
+
+    exe = runner._executables[max(runner._executables)]
+    kinds = ("all-to-all", "all-gather", "reduce-scatter", "all-reduce", "collective-permute")
+    own: dict[str, dict[str, int]] = {}
+    calls: dict[str, set[str]] = {}
+    bodies, name = [], None
+    for line in exe.as_text().splitlines():
+        head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) ", line)
+        if head and line.rstrip().endswith("{"):
+            name = head.group(1)
+            own[name], calls[name] = {}, set()
+            continue
+        if name is None:
+            continue
+        for kind in kinds:
+            if re.search(rf"= [^=]*\b{kind}(-start)?\(", line):
+                own[name][kind] = own[name].get(kind, 0) + 1
+        called = re.findall(
+            r"(?:body|condition|to_apply|calls|computations?)=\{?%?([\w.\-]+)", line
+        )
+        called += re.findall(r"branch_computations=\{([^}]*)\}", line)
+        for c in called:
+            calls[name].update(x.strip().lstrip("%") for x in c.split(","))
+        bodies += re.findall(r"\bwhile\(.*body=%?([\w.\-]+)", line)
+
+    def total(comp, seen=()):
+        out = dict(own.get(comp, {}))
+        for c in calls.get(comp, ()):
+            if c not in seen:
+                for k, v in total(c, (*seen, comp)).items():
+                    out[k] = out.get(k, 0) + v
+        return out
+
+    report = {f"while:{b}": total(b) for b in bodies}
+    report["module"] = {}
+    for ops in own.values():
+        for k, v in ops.items():
+            report["module"][k] = report["module"].get(k, 0) + v
+    return report
 
 
 def shard_shapes(tree) -> dict[str, list[list[int]]]:
@@ -93,6 +168,7 @@ def hf_window_report(folder: Path, prompts: list[list[int]]) -> dict[str, list[l
 
 def run_model(folder: Path, cache_dir: str, layouts: list[str], prompts) -> dict:
     from pagedjax import LLM, SamplingParams
+    from pagedjax.sharding.rules import max_device_bytes
 
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     report = {}
@@ -123,6 +199,9 @@ def run_model(folder: Path, cache_dir: str, layouts: list[str], prompts) -> dict
                     "kv": shard_shapes(r.runner.kv_cache),
                     "free_blocks": r.kv_cache_manager.pool.num_free_blocks,
                     "usable_blocks": r.kv_cache_manager.pool.num_usable_blocks,
+                    "collectives": collectives(r.runner),
+                    "param_bytes": r.layout["param_bytes_per_device"],
+                    "weight_bytes": max_device_bytes(r.runner.params),
                 }
                 for r in replicas
             ],

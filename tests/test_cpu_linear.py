@@ -65,7 +65,7 @@ def test_matmul_row_is_independent_of_the_other_rows(isa):
 
 
 def test_isa_setting_resolution():
-    """"auto" is the widest path the CPU runs; a wider one or an unknown name is refused."""
+    """ "auto" is the widest path the CPU runs; a wider one or an unknown name is refused."""
     assert cpu_kernels.resolve_isa("auto") == cpu_kernels.runnable_isas()[0]
     assert cpu_kernels.resolve_isa("portable") == "portable"
     with pytest.raises(ValueError, match="cpu_kernel_isa must be one of"):
@@ -160,16 +160,21 @@ def _lowered_step(params, cfg, backend, num_tokens):
 
 
 def test_model_uses_the_native_matmul_only_where_it_should(tiny_llama_dir):
-    """A step of up to MAX_TOKENS tokens runs its seven pre-packed linear layers through the
-    native matmul, whatever the attention backend (so the "cpu-prepacked" model-vs-HF tests
-    cover it); a larger step, plain (not packed) or quantized weights keep XLA's dot."""
+    """Pre-packed linear layers run through the native matmul in steps of every size,
+    whatever the attention backend (so the "cpu-prepacked" model-vs-HF tests cover it);
+    packed with max_rows = MAX_TOKENS (`batch_invariant=False`), a larger step keeps XLA's
+    dot; plain (not packed) or quantized weights keep XLA's dot."""
     source = loader.resolve_model_source(str(tiny_llama_dir))
     cfg = loader.load_arch_config(source)
     params = loader.load_params(source, cfg, "float32")
     packed = cpu_linear.pack_params(params)
     assert _lowered_step(packed, cfg, "cpu", 8).count(cpu_linear.TARGET) == 7
     assert _lowered_step(packed, cfg, "xla", 8).count(cpu_linear.TARGET) == 7
-    assert cpu_linear.TARGET not in _lowered_step(packed, cfg, "cpu", cpu_linear.MAX_TOKENS + 1)
+    big = cpu_linear.MAX_TOKENS + 1
+    assert _lowered_step(packed, cfg, "cpu", big).count(cpu_linear.TARGET) == 7
+    variant = cpu_linear.pack_params(params, cpu_linear.MAX_TOKENS)
+    assert _lowered_step(variant, cfg, "cpu", 8).count(cpu_linear.TARGET) == 7
+    assert cpu_linear.TARGET not in _lowered_step(variant, cfg, "cpu", big)
     assert cpu_linear.TARGET not in _lowered_step(params, cfg, "cpu", 8)
     int8 = quantize_params(params, "int8")
     assert cpu_linear.TARGET not in _lowered_step(int8, cfg, "cpu", 8)
@@ -177,20 +182,20 @@ def test_model_uses_the_native_matmul_only_where_it_should(tiny_llama_dir):
 
 def test_model_with_prepacked_weights(tiny_llama_dir, tmp_path):
     """The engine's pre-packed float32 weights (`pack_params`) give the hidden states of the
-    plain weights under XLA's dot, through the native matmul (small step) and through XLA's
-    dot on unpacked layers (a step over MAX_TOKENS), and are saved as plain weights;
+    plain weights under XLA's dot, through the native matmul (a small and a large step) and
+    through XLA's dot on unpacked layers (a step over max_rows), and are saved as plain weights;
     quantized weights are left as they are."""
     source = loader.resolve_model_source(str(tiny_llama_dir))
     cfg = loader.load_arch_config(source)
     params = loader.load_params(source, cfg, "float32")
     packed = cpu_linear.pack_params(params)
     assert all(isinstance(packed["layers"][n], cpu_linear.PackedWeight) for n in LINEAR_WEIGHTS)
+    variant = cpu_linear.pack_params(params, cpu_linear.MAX_TOKENS)
     for T in (8, cpu_linear.MAX_TOKENS + 1):
         want = _step(params, cfg, "cpu", T, lower=False)
-        got = _step(packed, cfg, "cpu", T, lower=False)
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-    assert _lowered_step(packed, cfg, "cpu", 8).count(cpu_linear.TARGET) == 7
-    assert cpu_linear.TARGET not in _lowered_step(packed, cfg, "cpu", cpu_linear.MAX_TOKENS + 1)
+        for p in (packed, variant):
+            got = _step(p, cfg, "cpu", T, lower=False)
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     loader.save_converted(tmp_path / "saved", cfg, packed, None)  # an engine's params
     back = loader.load_params(loader.resolve_model_source(str(tmp_path / "saved")), cfg)
     for name in LINEAR_WEIGHTS:
@@ -215,13 +220,14 @@ def test_model_with_prepacked_weights(tiny_llama_dir, tmp_path):
 
 def test_linear_gives_the_same_layer_for_every_weight_kind():
     """`linear.linear` on the same [in, out] weights as a plain array, int8 (within its
-    rounding bound), a packed stack's layer (`LayerView`, native below MAX_TOKENS rows and
-    unpacked above) and a packed single weight (float32 rounding); a packed stack given
+    rounding bound), a packed stack's layer (`LayerView`: native; with max_rows, native
+    below it and unpacked above) and a packed single weight (float32 rounding); a packed stack given
     whole is refused."""
     rng = np.random.default_rng(3)
     L, K, N = 3, 72, 40
     w = rng.standard_normal((L, K, N)).astype(np.float32)
     stack = cpu_linear.pack(jnp.asarray(w))
+    capped = stack.replace(max_rows=cpu_linear.MAX_TOKENS)
     int8 = quantize_params({"layers": {n: jnp.asarray(w) for n in LINEAR_WEIGHTS}}, "int8")
     f = jax.jit(lambda x, w, n: linear.linear(x, w, num_rows=n))
     for M in (5, cpu_linear.MAX_TOKENS + 3):
@@ -230,8 +236,9 @@ def test_linear_gives_the_same_layer_for_every_weight_kind():
             want = x.astype(np.float64) @ w[i].astype(np.float64)
             tol = dict(rtol=1e-5, atol=1e-5 * np.sqrt(K))
             np.testing.assert_allclose(np.asarray(f(x, jnp.asarray(w[i]), M)), want, **tol)
-            view = linear.LayerView(stack, jnp.int32(i))
-            np.testing.assert_allclose(np.asarray(f(x, view, M)), want, **tol)
+            for s in (stack, capped):
+                view = linear.LayerView(s, jnp.int32(i))
+                np.testing.assert_allclose(np.asarray(f(x, view, M)), want, **tol)
             one = cpu_linear.pack(jnp.asarray(w[i : i + 1]))
             np.testing.assert_allclose(np.asarray(f(x, one, M)), want, **tol)
             q = jax.tree.map(lambda a, i=i: a[i], int8["layers"]["q_proj"])

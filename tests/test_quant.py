@@ -162,16 +162,23 @@ def test_quantize_weight_refuses_int4_on_load():
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e5m2"])
-def test_write_kv_quantizes_and_saturates(kv_cache_dtype):
+@pytest.mark.parametrize("write", ["xla", "native", "native_donated"])
+def test_write_kv_quantizes_and_saturates(kv_cache_dtype, write):
+    """XLA's scatter and the native CPU write (a fresh result buffer when the cache is not
+    donated, in place when it is): the slots written hold the saturated quotient, every
+    other slot of every layer stays zero."""
     dtype = kv_cache_jnp_dtype(kv_cache_dtype, "float32")
     shape = (2, 3, 4, 2, 8)  # [L, blocks, block_size, K, H]
-    k_cache = v_cache = jnp.zeros(shape, dtype)
+    k_cache, v_cache = jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
     rng = np.random.default_rng(2)
     k = rng.standard_normal((5, 2, 8)).astype(np.float32)
     v = rng.standard_normal((5, 2, 8)).astype(np.float32)
     k[0, 0, 0], v[1, 1, 1] = 1e6, -1e6  # beyond the format's range after scaling
     slots = np.array([4, 5, 11, 0, 6], np.int32)
-    k_cache, v_cache = write_kv(k_cache, v_cache, 1, k, v, slots, 0.5, 2.0)
+    fn = functools.partial(write_kv, native=write != "xla")
+    if write == "native_donated":
+        fn = jax.jit(fn, donate_argnums=(0, 1))
+    k_cache, v_cache = fn(k_cache, v_cache, 1, k, v, slots, 0.5, 2.0)
     fmax = float(ml_dtypes.finfo(dtype).max)
     for cache, new, scale in ((k_cache, k, 0.5), (v_cache, v, 2.0)):
         got = np.asarray(cache[1]).reshape(12, 2, 8)  # [slots, K, H]
@@ -179,6 +186,8 @@ def test_write_kv_quantizes_and_saturates(kv_cache_dtype):
         np.testing.assert_array_equal(got[slots].astype(np.float32), want.astype(np.float32))
         assert np.isfinite(got.astype(np.float32)).all()
         assert not np.asarray(cache[0]).astype(np.float32).any(), "another layer was written"
+        others = np.setdiff1d(np.arange(12), slots)
+        assert not got[others].astype(np.float32).any(), "another slot was written"
     assert float(np.asarray(k_cache[1]).reshape(12, 2, 8)[4, 0, 0]) == fmax
 
 

@@ -148,7 +148,7 @@ class LLMEngine:
         mc = self.config.model_config
         logger.info(
             "layout: mesh %s, stage layers %s; per device: params %s MiB, KV cache %s MiB; "
-            "attention %s, linear %s; cpu kernels %s",
+            "attention %s, linear %s, cpu kernels %s",
             self.layout["mesh"],
             self.layout.get("stage_layers"),
             {d: round(b / 2**20, 1) for d, b in self.layout["param_bytes_per_device"].items()},

@@ -97,7 +97,8 @@ def load_model(config: EngineConfig, devices=None) -> LoadedModel:
     if not stages.is_even:
         params = pad_stage_params(params, stages, plan.sharding_for(logical))
     if mc.linear_backend == "cpu":  # the native matmul's panel layout, packed once
-        params = cpu_gguf.use_native(cpu_linear.pack_params(params))
+        max_rows = 0 if mc.batch_invariant else cpu_linear.MAX_TOKENS
+        params = cpu_gguf.use_native(cpu_linear.pack_params(params, max_rows))
     return LoadedModel(tokenizer, plan, params, time.perf_counter() - t0)
 
 

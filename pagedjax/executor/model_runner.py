@@ -48,7 +48,7 @@ from pagedjax.ops.kv_cache import (
     kv_cache_shape,
 )
 from pagedjax.ops.sampling import init_sampling_state, init_state_rows, set_bias_rows
-from pagedjax.sharding.rules import ShardingPlan, per_device_bytes
+from pagedjax.sharding.rules import ShardingPlan, max_device_bytes, per_device_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -184,7 +184,8 @@ class ModelRunner:
             need = sc.max_num_seqs * math.ceil(self.max_model_len / self.block_size) + 1
             return max(2, min(need, CPU_DEFAULT_KV_CACHE_BYTES // per_block))
         budget = int(stats["bytes_limit"] * cc.gpu_memory_utilization)
-        fixed = sum(x.nbytes for x in jax.tree.leaves((self.params, self.sampling_state)))
+        fixed = max_device_bytes(self.params)  # each device's share of the sharded weights
+        fixed += sum(x.nbytes for x in jax.tree.leaves(self.sampling_state))
         activations = self._activation_bytes()
         free = budget - fixed - activations
         if free < 2 * per_block:
@@ -214,7 +215,7 @@ class ModelRunner:
             packed,
             bitmask,
             layout=layout,
-            mesh=self.plan.mesh if M else None,
+            mesh=self.plan.mesh if M or getattr(self.arch, "expert_parallel", False) else None,
             num_microbatches=M,
             **self._static,
         )

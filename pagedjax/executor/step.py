@@ -32,6 +32,7 @@ from pagedjax.ops.sampling import (
     prompt_logprobs,
     sample,
 )
+from pagedjax.sharding.expert import mesh_context
 from pagedjax.sharding.pipeline import pipeline_decoder
 
 PROMPT_LOGPROBS_CHUNK = 128  # positions per inner step of the prompt-logprobs computation
@@ -83,8 +84,9 @@ def step(
     micro-batch per row, run through `sharding.pipeline.pipeline_decoder` on `mesh`; the
     sampler then sees the M x S rows of all micro-batches, and prompt logprobs the M x T
     tokens, in micro-batch order; `stages` (a `sharding.stages.StageLayout`, or None for an
-    even split) says which layers each stage runs. The model is the registry's for
-    `cfg.architecture`.
+    even split) says which layers each stage runs. Without pipeline parallelism, `mesh` (or
+    None) is the context mesh of the model (expert parallelism reads it). The model is the
+    registry's for `cfg.architecture`.
     """
     model = registry.get_model(cfg.architecture)
     if num_microbatches:
@@ -110,15 +112,16 @@ def step(
         parts = [layout.unpack(packed)]
         a = parts[0]
         md = AttentionMetadata.from_arrays(a, query_tile_size=tile, kv_chunk_pages=chunk_pages)
-        hidden, kv_cache = model.forward(
-            params,
-            kv_cache,
-            a["input_ids"],
-            a["positions"],
-            md,
-            cfg=cfg,
-            attention_backend=backend,
-        )  # [T, D]
+        with mesh_context(mesh):  # the mesh expert parallelism reads (`sharding.expert`)
+            hidden, kv_cache = model.forward(
+                params,
+                kv_cache,
+                a["input_ids"],
+                a["positions"],
+                md,
+                cfg=cfg,
+                attention_backend=backend,
+            )  # [T, D]
         rows = hidden[a["logits_indices"]]  # [S, D]
     if num_microbatches:
         # [M * S, V]: rows of M parts interleave

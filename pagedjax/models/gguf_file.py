@@ -117,6 +117,13 @@ def gguf_arch_config(reader) -> DecoderArchConfig:
     """
     arch = _field(reader, "general.architecture")
     hf_arch = GGUF_ARCHITECTURES.get(arch)
+    if arch in ("qwen3moe", "qwen2moe") or _field(reader, f"{arch}.expert_count", 0):
+        # llama.cpp writes Mixtral as "llama" with expert_count; transformers reads qwen3moe
+        raise ValueError(
+            f"GGUF mixture-of-experts files ({arch!r} with experts) are not supported yet; "
+            "load the Hugging Face safetensors folder (MixtralForCausalLM, "
+            "Qwen3MoeForCausalLM) instead"
+        )
     if hf_arch is None:
         raise ValueError(
             f"GGUF architecture {arch!r} is not supported; supported: "

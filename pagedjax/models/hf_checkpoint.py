@@ -14,11 +14,20 @@ import numpy as np
 
 from pagedjax.models import quant_loader
 from pagedjax.models.arch_config import DecoderArchConfig
-from pagedjax.models.hf_format import HF_FUSED_LAYER_NAMES, HF_LAYER_NAMES
+from pagedjax.models.hf_format import (
+    HF_EXPERT_NAMES,
+    HF_FUSED_LAYER_NAMES,
+    HF_LAYER_NAMES,
+    HF_ROUTER_NAMES,
+)
 from pagedjax.models.sources import safetensors_files
 from pagedjax.models.stacking import StackedParams
 
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+# An expert's weight: `block_sparse_moe.experts.<j>.w1.weight`, `mlp.experts.<j>.up_proj.weight`.
+_HF_EXPERT = re.compile(r"^(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(.+)$")
+# transformers 5's fused expert stacks: gate_up_proj [E, 2 Fe, D], down_proj [E, D, Fe].
+_HF_FUSED_EXPERTS = re.compile(r"^(?:block_sparse_moe|mlp)\.experts\.(gate_up_proj|down_proj)$")
 
 
 def hf_tensors(folder: str) -> Iterator[tuple[str, np.ndarray]]:
@@ -60,6 +69,8 @@ def assign_hf(stack: StackedParams, cfg: DecoderArchConfig, name: str, value) ->
         layer = int(m.group(1))
         for target, part in split_fused(stack, HF_FUSED_LAYER_NAMES[m.group(2)], value, name):
             stack.set_layer(target, layer, part.T, name)
+    elif m and assign_moe(stack, int(m.group(1)), m.group(2), value, name):
+        return
     elif m:
         target, transpose = HF_LAYER_NAMES.get(m.group(2), (None, False))
         if target is None:
@@ -74,6 +85,27 @@ def assign_hf(stack: StackedParams, cfg: DecoderArchConfig, name: str, value) ->
             stack.set_global("lm_head", value.T, name)
     else:
         raise ValueError(f"unexpected tensor {name!r} for this architecture")
+
+
+def assign_moe(stack: StackedParams, layer: int, rest: str, value, name: str) -> bool:
+    """Routes a mixture-of-experts tensor of layer `layer` (`rest`: its name after
+    `model.layers.<i>.`) to the router or an expert stack; False if it is none of them."""
+    if rest in HF_ROUTER_NAMES:
+        stack.set_layer("router", layer, value.T, name)
+        return True
+    if (e := _HF_EXPERT.match(rest)) and e.group(2) in HF_EXPERT_NAMES:
+        stack.set_expert(HF_EXPERT_NAMES[e.group(2)], layer, int(e.group(1)), value.T, name)
+        return True
+    if f := _HF_FUSED_EXPERTS.match(rest):
+        value = np.swapaxes(value, -1, -2)  # [E, in, out]
+        if f.group(1) == "down_proj":
+            stack.set_layer("experts_down", layer, value, name)
+        else:
+            gate, up = np.split(value, 2, axis=-1)
+            stack.set_layer("experts_gate", layer, gate, name)
+            stack.set_layer("experts_up", layer, up, name)
+        return True
+    return False
 
 
 def split_fused(

@@ -34,6 +34,17 @@ HF_LAYER_NAMES = {
     "mlp.up_proj.weight": ("up_proj", True),
     "mlp.down_proj.weight": ("down_proj", True),
 }
+# Mixture-of-experts tensors under `model.layers.<i>.`: the router (stored [E, D]:
+# transposed), and each expert's weights under `<block>.experts.<j>.` (stored [out, in]).
+HF_ROUTER_NAMES = ("block_sparse_moe.gate.weight", "mlp.gate.weight")  # Mixtral, Qwen3-MoE
+HF_EXPERT_NAMES = {
+    "w1.weight": "experts_gate",  # Mixtral
+    "w3.weight": "experts_up",
+    "w2.weight": "experts_down",
+    "gate_proj.weight": "experts_gate",  # Qwen3-MoE
+    "up_proj.weight": "experts_up",
+    "down_proj.weight": "experts_down",
+}
 # Fused tensors under `model.layers.<i>.` (Phi-3) -> the layer params their rows split into,
 # in order (`hf_checkpoint.split_fused`).
 HF_FUSED_LAYER_NAMES = {

@@ -31,14 +31,32 @@ from pagedjax.ops.linear import layer_weights, linear, split_layers
 # ----------------------------------------------------------------------------- norms
 
 
+def row_sum(x: jax.Array) -> jax.Array:
+    """Sum over the last axis, [..., D] -> [..., 1], in a fixed pairwise order: zero-padded to
+    a power of two, then halved by elementwise adds. A row's sum is then the same bits in a
+    step of any size (batch invariance): XLA's CPU reduction picks its summation order by
+    the shape and fusion it is compiled in, so `jnp.sum` of the same row can differ in its
+    last bit between a step of 16 tokens and one of 64."""
+    D = x.shape[-1]
+    P = 1 << max(D - 1, 0).bit_length()
+    if P != D:
+        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, P - D)])
+    while x.shape[-1] > 1:
+        half = x.shape[-1] // 2
+        x = x[..., :half] + x[..., half:]
+    return x
+
+
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float, *, offset: bool = False) -> jax.Array:
-    """RMSNorm (Zhang & Sennrich, 2019), computed in float32. x: [..., D]; weight: [D].
+    """RMSNorm (Zhang & Sennrich, 2019), computed in float32. x: [..., D]; weight: [D]. The
+    mean of squares is a `row_sum` (the same bits for a row whatever else is in the step).
 
     offset: scale by (1 + weight) computed in float32, as Gemma's RMSNorm (its weights are
     stored around 0); otherwise by weight, in x's dtype, as Llama's.
     """
     x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    mean_sq = row_sum(x32 * x32) * (1.0 / x.shape[-1])  # [..., 1]
+    x32 = x32 * jax.lax.rsqrt(mean_sq + eps)
     if offset:
         return (x32 * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
     return weight * x32.astype(x.dtype)
@@ -165,7 +183,15 @@ def attention(
     k_scale = w.get("k_scale", one) if fp8_cache else None
     v_scale = w.get("v_scale", one) if fp8_cache else None
     k_cache, v_cache = write_kv(
-        k_cache, v_cache, layer_idx, k, v, md.slot_mapping, k_scale, v_scale
+        k_cache,
+        v_cache,
+        layer_idx,
+        k,
+        v,
+        md.slot_mapping,
+        k_scale,
+        v_scale,
+        native=attention_backend == "cpu",
     )
     attn = ragged_paged_attention(
         q,

@@ -185,8 +185,10 @@ def load_params(
                 k: v for k, v in params["layers"].items() if k not in ("k_scale", "v_scale")
             }
         if on_load:  # float params restored: quantize, and place each result where it goes
-            for name in quant.LINEAR_WEIGHTS:
-                if isinstance(params["layers"][name], quant.QuantizedWeight):
+            for name in quant.QUANTIZED_WEIGHTS:
+                if name not in params["layers"] or isinstance(
+                    params["layers"][name], quant.QuantizedWeight
+                ):
                     continue
                 q = jax.device_get(quant.quantize_weight(params["layers"][name], on_load))
                 sharding = sharding_for("layers/" + name, q) if sharding_for else None

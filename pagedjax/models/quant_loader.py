@@ -48,7 +48,7 @@ from pagedjax.ops.choices import (
     QUANTIZE_ON_LOAD,
 )
 from pagedjax.ops.choices import QUANTIZATION_METHODS as METHODS
-from pagedjax.ops.quant import LINEAR_WEIGHTS, QuantizedWeight, quantize_weight
+from pagedjax.ops.quant import QUANTIZED_WEIGHTS, QuantizedWeight, quantize_weight
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 GPTQ_ORDER = tuple(range(8))
@@ -429,16 +429,16 @@ def match_saved_layers(saved: dict, abstract: dict, shapes: dict, method: str | 
             )
             for f in ("qweight", "scales", "zeros", "perm", "input_scale")
         }
-        abstract[k] = QuantizedWeight(**fields, method=method, in_features=shapes[k][1])
+        abstract[k] = QuantizedWeight(**fields, method=method, in_features=shapes[k][-2])
 
 
 def quantizing_place(place, method: str, sharding_for=None):
-    """The loader's `place(name, value)`, except for the decoder's linear weights
-    (`layers/q_proj`, ...), which are quantized with a quantize-on-load `method` first and
-    placed once, quantized, with their fields' shardings (`sharding_for(name, leaf)`)."""
+    """The loader's `place(name, value)`, except for the decoder's linear weights and expert
+    stacks (`quant.QUANTIZED_WEIGHTS`), which are quantized with a quantize-on-load `method`
+    first and placed once, quantized, with their fields' shardings (`sharding_for(name, leaf)`)."""
 
     def place_and_quantize(name: str, value: np.ndarray):
-        if name.startswith("layers/") and name.removeprefix("layers/") in LINEAR_WEIGHTS:
+        if name.startswith("layers/") and name.removeprefix("layers/") in QUANTIZED_WEIGHTS:
             with jax.default_device(jax.devices("cpu")[0]):
                 q = jax.device_get(quantize_weight(value, method))
             return place_quantized(q, sharding_for(name, q) if sharding_for else None)

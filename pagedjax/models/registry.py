@@ -15,10 +15,10 @@ from collections.abc import Mapping
 from types import ModuleType
 from typing import Any
 
-from pagedjax.models import gemma, llama, phi3, qwen3
+from pagedjax.models import gemma, llama, mixtral, phi3, qwen3, qwen3_moe
 from pagedjax.models.arch_config import DecoderArchConfig, architecture_name, hf_dict
 
-_MODULES = (llama, qwen3, phi3, gemma)
+_MODULES = (llama, qwen3, phi3, gemma, mixtral, qwen3_moe)
 _MODELS: dict[str, ModuleType] = {
     name: module for module in _MODULES for name in module.SUPPORTED_ARCHITECTURES
 }

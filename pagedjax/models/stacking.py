@@ -28,10 +28,16 @@ class StackedParams:
 
     def __init__(self, cfg: DecoderArchConfig, dtype, place: Callable[[str, np.ndarray], Any]):
         self.cfg, self.dtype, self.place = cfg, np.dtype(dtype), place
-        self.shapes = registry.get_model(cfg.architecture).param_shapes(cfg)
+        model = registry.get_model(cfg.architecture)
+        self.shapes = model.param_shapes(cfg)
+        # Stacked params the checkpoint lacks in some layers (zeros there), e.g. the expert
+        # stacks of a mixture-of-experts model's dense layers.
+        absent = getattr(model, "absent_layer_params", None)
+        self.absent: dict[str, tuple[int, ...]] = absent(cfg) if absent else {}
         self.params: dict[str, Any] = {"layers": {}}
         self._bufs: dict[str, np.ndarray] = {}
         self._filled: dict[str, set[int]] = {}
+        self._experts: dict[tuple[str, int], set[int]] = {}
         self._raw: dict[str, dict[int, Any]] = {}  # GGUF blocks of a stack, by layer
 
     def set_global(self, name: str, value: np.ndarray, source_name: str) -> None:
@@ -43,7 +49,7 @@ class StackedParams:
             return
         self.params[name] = self.place(name, np.asarray(value, self.dtype))
 
-    def set_layer(self, name: str, layer: int, value: np.ndarray, source_name: str) -> None:
+    def _layer_shape(self, name: str, layer: int, source_name: str) -> tuple[int, ...]:
         shape = self.shapes["layers"].get(name)
         if shape is None:
             raise ValueError(f"unexpected tensor {source_name!r} for this architecture")
@@ -52,18 +58,49 @@ class StackedParams:
                 f"tensor {source_name!r} names layer {layer}, but the model has "
                 f"{self.cfg.num_hidden_layers} layers"
             )
-        check_shape(source_name, value.shape, shape[1:])
-        if hasattr(value, "weight"):  # GGUF blocks kept quantized
-            self._set_raw_layer(name, layer, value)
-            return
+        return shape
+
+    def _layer_buf(self, name: str, layer: int, source_name: str) -> np.ndarray:
+        shape = self._layer_shape(name, layer, source_name)
         buf = self._bufs.get(name)
         if buf is None:
-            buf = self._bufs[name] = np.empty(shape, self.dtype)
-            self._filled[name] = set()
-        buf[layer] = value
+            absent = self.absent.get(name, ())
+            buf = self._bufs[name] = (np.zeros if absent else np.empty)(shape, self.dtype)
+            self._filled[name] = set(absent)
+        return buf
+
+    def _layer_done(self, name: str, layer: int) -> None:
         self._filled[name].add(layer)
         if len(self._filled[name]) == self.cfg.num_hidden_layers:
             self.params["layers"][name] = self.place("layers/" + name, self._bufs.pop(name))
+
+    def set_layer(self, name: str, layer: int, value: np.ndarray, source_name: str) -> None:
+        if hasattr(value, "weight"):  # GGUF blocks kept quantized
+            shape = self._layer_shape(name, layer, source_name)
+            check_shape(source_name, value.shape, shape[1:])
+            self._set_raw_layer(name, layer, value)
+            return
+        buf = self._layer_buf(name, layer, source_name)
+        check_shape(source_name, value.shape, buf.shape[1:])
+        buf[layer] = value
+        self._layer_done(name, layer)
+
+    def set_expert(
+        self, name: str, layer: int, expert: int, value: np.ndarray, source_name: str
+    ) -> None:
+        """One expert's weight of a stacked [L, E, ...] expert weight."""
+        buf = self._layer_buf(name, layer, source_name)
+        if not 0 <= expert < buf.shape[1]:
+            raise ValueError(
+                f"tensor {source_name!r} names expert {expert}, but the model has "
+                f"{buf.shape[1]} experts"
+            )
+        check_shape(source_name, value.shape, buf.shape[2:])
+        buf[layer, expert] = value
+        have = self._experts.setdefault((name, layer), set())
+        have.add(expert)
+        if len(have) == buf.shape[1]:
+            self._layer_done(name, layer)
 
     def _set_raw_layer(self, name: str, layer: int, value) -> None:
         raw = self._raw.setdefault(name, {})

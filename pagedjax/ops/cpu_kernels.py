@@ -1,11 +1,14 @@
 """The native CPU kernels' library: C++ XLA FFI custom calls, built on first use, per ISA path.
 
-Three kernels live in `csrc/` and are compiled into one shared library:
+Four kernels live in `csrc/` and are compiled into one shared library:
     paged_attention_cpu.cc  ragged paged attention (`cpu_attention.paged_attention`)
     linear_cpu.cc           float32 x @ W[layer] over a stacked weight (`cpu_linear.matmul`)
     gguf_linear_cpu.cc      x @ W[layer] over GGUF quantized blocks (`cpu_gguf.matmul`)
-The first is the "cpu" attention backend (`attention_backend="cpu"`), the other two the "cpu"
-linear backend (`linear_backend="cpu"`); "auto" picks both on one CPU device. A new kernel
+    kv_write_cpu.cc         the new K/V rows into their cache slots, in place
+                            (`kv_cache.write_kv(..., native=True)`)
+The first and the last are the "cpu" attention backend (`attention_backend="cpu"`), the
+other two the "cpu" linear backend (`linear_backend="cpu"`); "auto" picks both on one CPU
+device. A new kernel
 is one more file in SOURCES and one more entry in TARGETS.
 
 ISA paths (`ISAS`, widest first): "avx512" (16-float vectors, 32 registers), "avx2" (8-float
@@ -46,13 +49,19 @@ from pagedjax.paths import cache_root
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "paged_attention_cpu.cc", CSRC / "linear_cpu.cc", CSRC / "gguf_linear_cpu.cc")
+SOURCES = (
+    CSRC / "paged_attention_cpu.cc",
+    CSRC / "linear_cpu.cc",
+    CSRC / "gguf_linear_cpu.cc",
+    CSRC / "kv_write_cpu.cc",
+)
 HEADERS = (CSRC / "simd.h",)  # included by the sources: part of the cache key
 # FFI target name -> the handler symbol the library exports.
 TARGETS = {
     "pagedjax_paged_attention_cpu": "PagedAttentionCpu",
     "pagedjax_linear_cpu": "LinearCpu",
     "pagedjax_gguf_linear_cpu": "GgufLinearCpu",
+    "pagedjax_kv_write_cpu": "KvWriteCpu",
 }
 CXX_FLAGS = (
     "-O3",

@@ -12,10 +12,13 @@ faster than packing the weight on each call). The engine packs the float32 linea
 the LM head once at load under `linear_backend="cpu"` (`pack_params`).
 
 A `PackedWeight` is one of the weight kinds of `ops.linear.linear`, the model's one linear
-entry point: a layer of a packed stack (`ops.linear.LayerView`) in a step of up to `MAX_TOKENS`
-tokens, and a packed LM head, run through `matmul` on the step's real rows only; a layer in a
-larger step multiplies with XLA's dot, unpacked (`unpack`, a transposing copy small next to a
-dot of that size).
+entry point: a layer of a packed stack (`ops.linear.LayerView`) and a packed LM head, run
+through `matmul` on the step's real rows only, in steps of every size: each output element
+is one chain of fused multiply-adds over k in order, whatever the number of rows, so a
+request's logits do not depend on what else is in its step (the engine's `batch_invariant`,
+on by default). With `batch_invariant=False` the stack's `max_rows` is `MAX_TOKENS`: a layer
+in a larger step multiplies with XLA's dot, unpacked (`unpack`, a transposing copy small next
+to a dot of that size), whose rounding depends on the step's shape.
 """
 
 from __future__ import annotations
@@ -26,13 +29,11 @@ import numpy as np
 from flax import struct
 
 from pagedjax.ops import cpu_kernels
-from pagedjax.ops.quant import LINEAR_WEIGHTS
+from pagedjax.ops.quant import EXPERT_WEIGHTS, LINEAR_WEIGHTS
 
 TARGET = "pagedjax_linear_cpu"
-# `ops.linear` uses the kernel on a layer of a packed stack for steps of at most this many
-# tokens (decode and small mixed steps). Larger steps keep XLA's dot: there the weight copy is
-# small next to the dot, and XLA's dot was as fast or faster in the standard workload's
-# 1,024- and 2,048-token steps.
+# With `batch_invariant=False`, `ops.linear` uses the kernel on a layer of a packed stack for
+# steps of at most this many tokens and XLA's dot on larger ones.
 MAX_TOKENS = 128
 PANEL = 16  # columns per panel of a PackedWeight (the kernel's NR)
 
@@ -45,10 +46,16 @@ class PackedWeight:
         panels: float32 [L, ceil(N / 16), K, 16]: panels[l, p, k, c] = W[l, k, 16 p + c],
             zeros past column N.
         n: N, the number of output columns (static).
+        max_rows: 0 (the default): a layer of the stack (`ops.linear.LayerView`) runs through
+            the native matmul at every step size, so that each row is reduced in one order
+            whatever the step (batch invariance); > 0: steps of more rows than this use
+            XLA's dot on the unpacked layer instead (static; the engine's
+            `batch_invariant=False` sets MAX_TOKENS).
     """
 
     panels: jax.Array
     n: int = struct.field(pytree_node=False)
+    max_rows: int = struct.field(pytree_node=False, default=0)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -82,18 +89,28 @@ def unpack(w: PackedWeight) -> jax.Array:
     return jnp.swapaxes(w.panels, -3, -2).reshape(*lead, K, P * PANEL)[..., : w.n]
 
 
-def pack_params(params: dict) -> dict:
+def pack_params(params: dict, max_rows: int = 0) -> dict:
     """The params pytree with its float32 linear weights (`quant.LINEAR_WEIGHTS` of
-    params["layers"]) replaced by `PackedWeight`s, and the LM head packed as
-    params["lm_head"], a `PackedWeight` of [1, D, V]; other leaves (quantized weights, norms,
-    embeddings) unchanged. With tied embeddings the packed LM head is a second, transposed
-    copy of the embedding matrix (V x D float32: 113 MB for SmolLM2-135M). Each weight is
-    converted on its own, so the extra memory at any time is one weight's."""
+    params["layers"]) replaced by `PackedWeight`s (a mixture-of-experts model's expert
+    stacks [L, E, K, N] too, as panels [L, E, P, K, 16]: `ops.linear.expert_linear`), and
+    the LM head packed as params["lm_head"], a `PackedWeight` of [1, D, V]; other leaves
+    (quantized weights, norms, embeddings) unchanged. With tied embeddings the packed LM
+    head is a second, transposed copy of the embedding matrix (V x D float32: 113 MB for
+    SmolLM2-135M). Each weight is converted on its own, so the extra memory at any time is
+    one weight's. `max_rows`: the layers' `PackedWeight.max_rows` (0: native at every step
+    size)."""
     layers = dict(params["layers"])
     pack_jit = jax.jit(pack)
     for name in LINEAR_WEIGHTS:
         if supports(layers.get(name)) and not isinstance(layers[name], PackedWeight):
-            layers[name] = jax.block_until_ready(pack_jit(layers[name]))
+            packed = jax.block_until_ready(pack_jit(layers[name]))
+            layers[name] = packed.replace(max_rows=max_rows)
+    for name in EXPERT_WEIGHTS:  # [L, E, K, N] -> panels [L, E, P, K, 16]
+        w = layers.get(name)
+        if supports(w) and w.ndim == 4:
+            L, E, K, N = w.shape
+            p = jax.block_until_ready(pack_jit(w.reshape(L * E, K, N)))
+            layers[name] = PackedWeight(p.panels.reshape(L, E, *p.panels.shape[1:]), p.n)
     out = {**params, "layers": layers}
     head = params.get("lm_head")
     if head is None and supports(params.get("embed_tokens")):

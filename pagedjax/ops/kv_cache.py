@@ -76,6 +76,8 @@ def write_kv(
     slot_mapping: jax.Array,
     k_scale: jax.Array | float | None = None,
     v_scale: jax.Array | float | None = None,
+    *,
+    native: bool = False,
 ) -> KVCache:
     """Scatters one layer's new K/V into their slots (quantizing them for a float8 cache).
 
@@ -86,16 +88,50 @@ def write_kv(
         slot_mapping: [T] int32 physical slot of each token (padding tokens: a slot of block 0).
         k_scale, v_scale: a float8 cache's scalar float32 scales of this layer (None: 1.0):
             the cache stores `saturate(k / k_scale)`. Ignored for a cache in a wider dtype.
+        native: write a float8 cache through the native CPU call (`cpu_kernels`, the "cpu"
+            attention backend's), which copies only the T new rows, in place; XLA's CPU
+            scatter into a float8 array (or its uint8 view) passes over the whole cache.
 
     Returns:
         The updated (k_cache, v_cache); in place when the caller donates the cache.
+
+    Raises:
+        RuntimeError: `native` where the native kernels are unavailable.
     """
+    if native and is_quantized_cache(k_cache.dtype):
+        return _write_native(
+            k_cache,
+            v_cache,
+            layer,
+            _to_cache(k, k_cache.dtype, k_scale),
+            _to_cache(v, v_cache.dtype, v_scale),
+            slot_mapping,
+        )
     block_size = k_cache.shape[2]
     blocks = slot_mapping // block_size  # [T]
     offsets = slot_mapping % block_size  # [T]
     return (
         _scatter(k_cache, layer, blocks, offsets, _to_cache(k, k_cache.dtype, k_scale)),
         _scatter(v_cache, layer, blocks, offsets, _to_cache(v, v_cache.dtype, v_scale)),
+    )
+
+
+def _write_native(k_cache, v_cache, layer, k, v, slot_mapping) -> KVCache:
+    """The native CPU write (`csrc/kv_write_cpu.cc`): rows k, v [T, K, H] (the cache's
+    dtype) into their slots of layer `layer`, the caches aliased to the results."""
+    from pagedjax.ops import cpu_kernels
+
+    out = tuple(jax.ShapeDtypeStruct(c.shape, c.dtype) for c in (k_cache, v_cache))
+    call = jax.ffi.ffi_call(
+        cpu_kernels.target("pagedjax_kv_write_cpu"), out, input_output_aliases={0: 0, 1: 1}
+    )
+    return call(
+        k_cache,
+        v_cache,
+        jnp.asarray(layer, jnp.int32).reshape(()),
+        k,
+        v,
+        slot_mapping.astype(jnp.int32),
     )
 
 

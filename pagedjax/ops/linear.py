@@ -90,14 +90,8 @@ def linear(x: jax.Array, w: Weight, *, num_rows: jax.Array | int | None = None) 
     if isinstance(w, GGUFWeight) or (isinstance(w, LayerView) and isinstance(w.stack, GGUFWeight)):
         return _gguf_linear(x, w, num_rows)
     if isinstance(w, LayerView):
-        # The kernel's gain is reading layer i in place; in a step of more than MAX_TOKENS
-        # tokens the copy is small next to the dot and XLA's dot is as fast, so the layer is
-        # unpacked (a transposing copy) for it.
-        if x.shape[0] > cpu_linear.MAX_TOKENS:
-            layer = jax.tree.map(
-                lambda a: jax.lax.dynamic_index_in_dim(a, w.index, 0, False), w.stack
-            )
-            return x @ cpu_linear.unpack(layer).astype(x.dtype)
+        if w.stack.max_rows and x.shape[0] > w.stack.max_rows:
+            return _unpacked_dot(x, w)
         return cpu_linear.matmul(x, w.stack, w.index, num_rows).astype(x.dtype)
     if isinstance(w, cpu_linear.PackedWeight):
         # One weight, not a stack: unpacking would copy all of it on every call.
@@ -109,6 +103,15 @@ def linear(x: jax.Array, w: Weight, *, num_rows: jax.Array | int | None = None) 
             )
         return cpu_linear.matmul(x, w, 0, num_rows).astype(x.dtype)
     return x @ w
+
+
+def _unpacked_dot(x: jax.Array, w: LayerView) -> jax.Array:
+    """XLA's dot on layer w.index of the stack, unpacked (a transposing copy): the
+    `batch_invariant=False` engine's path for steps of more than `max_rows` tokens, where
+    the copy is small next to the dot (rows then depend on the step's size in their last
+    bits: XLA picks its blocking by shape)."""
+    layer = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, w.index, 0, False), w.stack)
+    return x @ cpu_linear.unpack(layer).astype(x.dtype)
 
 
 def _gguf_linear(x: jax.Array, w: GGUFWeight | LayerView, num_rows) -> jax.Array:
@@ -151,3 +154,56 @@ def layer_weights(
     """
     index = jnp.asarray(index, jnp.int32)
     return {**sliced, **{name: LayerView(w, index) for name, w in in_place.items()}}
+
+
+def expert_linear(x: jax.Array, w: Weight, expert: jax.Array) -> jax.Array:
+    """The grouped matmul of a mixture-of-experts layer: tile t of `x` times expert
+    `expert[t]`'s weight, for every tile at once, whatever kind the expert stack is.
+
+    Args:
+        x: [n_tiles, m, in] activations in the model dtype (m rows per tile, all routed to
+            one expert).
+        w: a stack of expert weights, logical shape [E, in, out]: a plain array or a
+            `QuantizedWeight` (int8, w8a8, fp8) whose leaves lead with E.
+        expert: [n_tiles] int32 in [0, E), the expert of each tile.
+
+    Returns:
+        [n_tiles, m, out] in x's dtype. Each tile reads one expert's weight (a gather of
+        n_tiles weights), so the FLOPs are 2 * n_tiles * m * in * out, whatever E is.
+        A `LayerView` of a packed expert stack (`cpu_linear.pack_params`, the engine's
+        `linear_backend="cpu"`) multiplies each tile with the native matmul, reading its
+        expert in place, for up to `cpu_linear.MAX_TOKENS` rows; larger steps unpack the
+        layer's experts and take the XLA path (`_packed_expert_linear`).
+
+    Raises:
+        ValueError: a weight kind the grouped matmul does not take (packed CPU panels; int4).
+    """
+    if isinstance(w, QuantizedWeight):
+        if w.method not in ("int8", "w8a8", "fp8"):
+            raise ValueError(f"expert weights quantized as {w.method!r} are not supported")
+        picked = jax.tree.map(lambda a: jnp.take(a, expert, axis=0), w)
+        return jax.vmap(quantized_matmul)(x, picked)
+    if isinstance(w, LayerView):
+        return _packed_expert_linear(x, w, expert)
+    if isinstance(w, cpu_linear.PackedWeight):
+        raise ValueError("a packed expert stack is read through a LayerView of its layer")
+    picked = jnp.take(w, expert, axis=0)  # [n_tiles, in, out]
+    return jnp.einsum("tmi,tio->tmo", x, picked.astype(x.dtype))
+
+
+def _packed_expert_linear(x: jax.Array, w: LayerView, expert: jax.Array) -> jax.Array:
+    """`expert_linear` on layer `w.index` of a packed expert stack (panels [L, E, P, in, 16]):
+    one native matmul call per tile, on the stack viewed as [L * E, in, out], row
+    index * E + expert (no copy of a weight); the XLA gather-and-dot on the unpacked layer
+    when the step has more than `cpu_linear.MAX_TOKENS` rows, where that was faster
+    (benchmarks/moe.py)."""
+    stack = w.stack
+    L, E = stack.panels.shape[:2]
+    n_tiles, m, _ = x.shape
+    if n_tiles * m > cpu_linear.MAX_TOKENS:
+        layer = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, w.index, 0, False), stack)
+        return expert_linear(x, cpu_linear.unpack(layer), expert)
+    flat = cpu_linear.PackedWeight(stack.panels.reshape(L * E, *stack.panels.shape[2:]), stack.n)
+    rows = w.index * E + expert  # [n_tiles]
+    y = jax.lax.map(lambda a: cpu_linear.matmul(a[0], flat, a[1]), (x, rows))
+    return y.astype(x.dtype)  # [n_tiles, m, out]

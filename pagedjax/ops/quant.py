@@ -44,6 +44,10 @@ from pagedjax.ops.choices import QUANTIZATION_METHODS as METHODS
 
 # The decoder's linear layers, the params under "layers/" that quantization replaces.
 LINEAR_WEIGHTS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# A mixture-of-experts model's expert stacks [L, E, in, out] (`models.moe`): quantized on load
+# too (int8, w8a8, fp8), each expert with its own per-output-channel scales [L, E, out].
+EXPERT_WEIGHTS = ("experts_gate", "experts_up", "experts_down")
+QUANTIZED_WEIGHTS = LINEAR_WEIGHTS + EXPERT_WEIGHTS
 INT8_MAX = 127.0
 FP8_DTYPE = jnp.float8_e4m3fn
 FP8_MAX = float(jnp.finfo(FP8_DTYPE).max)  # 448
@@ -137,10 +141,11 @@ def quantize_weight(w: jax.Array, method: str) -> QuantizedWeight:
 
 
 def quantize_params(params: dict, method: str) -> dict:
-    """The params pytree with every decoder linear weight quantized (others unchanged)."""
+    """The params pytree with every decoder linear weight and expert stack quantized (others
+    unchanged)."""
     layers = dict(params["layers"])
-    for name in LINEAR_WEIGHTS:
-        if not isinstance(layers[name], QuantizedWeight):
+    for name in QUANTIZED_WEIGHTS:
+        if name in layers and not isinstance(layers[name], QuantizedWeight):
             layers[name] = quantize_weight(layers[name], method)
     return {**params, "layers": layers}
 

@@ -6,6 +6,10 @@ alone maps them onto the mesh of a replica:
     "q_heads", "kv_heads", "mlp", "vocab"  ->  "tensor"   (Megatron-style tensor parallelism:
         column-parallel q/k/v, gate and up; row-parallel o and down; vocab-parallel embedding
         and LM head; Shoeybi et al., 2019)
+    "moe_mlp"                               ->  "tensor"   (each expert's MLP columns, as a
+        dense MLP's: a mixture-of-experts model without expert parallelism)
+    "expert"                                ->  "tensor"   (whole experts by index: expert
+        parallelism, `sharding.expert`; a model names this axis only when it is on)
     "layers"                                ->  "pipeline" (each stage holds its layers)
     "embed", anything else                  ->  replicated
 
@@ -28,7 +32,15 @@ from pagedjax.sharding.mesh import PIPELINE, TENSOR
 
 logger = logging.getLogger(__name__)
 
-RULES = {"q_heads": TENSOR, "kv_heads": TENSOR, "mlp": TENSOR, "vocab": TENSOR, "layers": PIPELINE}
+RULES = {
+    "q_heads": TENSOR,
+    "kv_heads": TENSOR,
+    "mlp": TENSOR,
+    "moe_mlp": TENSOR,
+    "expert": TENSOR,
+    "vocab": TENSOR,
+    "layers": PIPELINE,
+}
 
 # Logical axes of the KV cache arrays [L, num_blocks, block_size, K, H].
 KV_CACHE_AXES = ("layers", None, None, "kv_heads", None)
@@ -79,7 +91,8 @@ class ShardingPlan:
         that field's sharding. A quantized weight splits only its output columns: qweight
         [L, in(/8), out] and the scales / zeros [L, (G,) out] over the out axis; its input
         rows (packed, grouped or permuted) stay whole, so a row-parallel quantized layer is
-        replicated. Paths with no logical axes (KV-cache scales) are replicated.
+        replicated; a quantized expert stack [L, E, in, out] keeps its expert axis's split
+        (scales [L, E, out]). Paths with no logical axes (KV-cache scales) are replicated.
         """
         from pagedjax.ops.quant import QuantizedWeight
 
@@ -92,10 +105,10 @@ class ShardingPlan:
         def field(axes, name: str, ndim: int):
             if axes is None:
                 return self.replicated()
-            layers, out = axes[0], axes[-1]
+            lead, out = tuple(axes[:-2]), axes[-1]  # (layers,) or (layers, expert)
             if name in ("qweight", "scales", "zeros"):
-                return self.sharding((layers,) + (None,) * (ndim - 2) + (out,))
-            return self.sharding((layers,) + (None,) * (ndim - 1))  # perm, input_scale
+                return self.sharding(lead + (None,) * (ndim - len(lead) - 1) + (out,))
+            return self.sharding(lead + (None,) * (ndim - len(lead)))  # perm, input_scale
 
         def fn(name: str, leaf: Any = None, ndim: int | None = None):
             path = name.split("/")
@@ -132,3 +145,10 @@ def per_device_bytes(tree: Any) -> dict[str, int]:
             key = str(shard.device.id)
             out[key] = out.get(key, 0) + shard.data.nbytes
     return out
+
+
+def max_device_bytes(tree: Any) -> int:
+    """Bytes of a pytree's arrays on the device holding the most of them: its share of each
+    sharded array (a tensor-parallel split, a pipeline stage, num_experts / TP whole experts
+    under expert parallelism), what an accelerator's KV budget loses to the weights."""
+    return max(per_device_bytes(tree).values(), default=0)

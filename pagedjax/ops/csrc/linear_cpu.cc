@@ -66,7 +66,8 @@ constexpr int64_t NR = 16;       // columns of W per micro-panel (the packed lay
 constexpr int NV = NR / kVecFloats;  // vectors per panel row
 constexpr int64_t KC = 256;      // depth of one slice of a W panel
 constexpr int64_t MC = 8 * MR;   // rows of x per pass over an item's panels
-constexpr int64_t NP = 4;        // micro-panels per work item at most (NC = NP * NR columns)
+constexpr int64_t NP = 4;        // micro-panels per decode-sized work item at most
+constexpr int64_t NCP = 256;     // columns per prefill-sized work item (M > MC)
 
 // y[0:R, 0:P * 16] (+)= xp[0:kc][0:R] @ (P panels wp, wp + pstride, ...)[0:kc][0:16];
 // ldy is y's row stride.
@@ -111,32 +112,31 @@ struct Problem {
   const float* w;  // this layer's panels [ceil(N / NR)][K][NR]
   float* y;        // [M, N]
   int64_t M, K, N;
-  int64_t item_cols;      // output columns per work item (a multiple of NR, <= NP * NR)
+  int64_t item_cols;      // output columns per work item (a multiple of NR)
+  int64_t item_rows;      // rows of x per work item (a multiple of MR, or M)
+  int64_t col_items;      // work items across N
   std::vector<float> xp;  // packed x: [ceil(M / MR)][K][MR]
 };
 
-void PackX(Problem& p) {
-  const int64_t blocks = (p.M + MR - 1) / MR;
-  p.xp.assign(blocks * MR * p.K, 0.0f);
-  for (int64_t b = 0; b < blocks; ++b) {
-    float* dst = p.xp.data() + b * MR * p.K;
-    const int64_t rows = std::min(MR, p.M - b * MR);
-    for (int64_t r = 0; r < rows; ++r) {
-      const float* src = p.x + (b * MR + r) * p.K;
-      for (int64_t k = 0; k < p.K; ++k) dst[k * MR + r] = src[k];
-    }
+// Rows [b * MR, b * MR + MR) of x into micro-panel b of xp (zero rows past M).
+void PackBlock(Problem& p, int64_t b) {
+  float* dst = p.xp.data() + b * MR * p.K;
+  const int64_t rows = std::min(MR, p.M - b * MR);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* src = p.x + (b * MR + r) * p.K;
+    for (int64_t k = 0; k < p.K; ++k) dst[k * MR + r] = src[k];
   }
 }
 
-// Output columns [j0, j0 + cols), cols <= item_cols.
-void RunItem(const Problem& p, int64_t j0, int64_t cols) {
+// Output rows [m_lo, m_hi) x columns [j0, j0 + cols), cols <= item_cols.
+void RunItem(const Problem& p, int64_t m_lo, int64_t m_hi, int64_t j0, int64_t cols) {
   alignas(64) float tile[MR * NR];  // a partial micro-panel's output, before its copy to y
   const int64_t panels = (cols + NR - 1) / NR;
   const int64_t pstride = p.K * NR;  // floats between consecutive panels
   for (int64_t k0 = 0; k0 < p.K; k0 += KC) {
     const int64_t kc = std::min(KC, p.K - k0);
-    for (int64_t mc0 = 0; mc0 < p.M; mc0 += MC) {
-      const int64_t mc1 = std::min(p.M, mc0 + MC);
+    for (int64_t mc0 = m_lo; mc0 < m_hi; mc0 += MC) {
+      const int64_t mc1 = std::min(m_hi, mc0 + MC);
       for (int64_t q = 0; q < panels;) {
         const int64_t c0 = j0 + q * NR;
         const int64_t width = std::min(NR, cols - q * NR);
@@ -166,27 +166,35 @@ void RunItem(const Problem& p, int64_t j0, int64_t cols) {
   }
 }
 
-// Column blocks handed out by an atomic counter to the calling thread and to tasks on XLA's
-// pool. A task that starts after every block is taken exits without touching the buffers, so
-// the caller never waits on a task that has not started.
-struct Shared {
-  Problem p;
-  int64_t items = 0;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-  std::mutex mu;
-  std::condition_variable cv;
-};
-
-void Drain(Shared& sh) {
-  for (int64_t i; (i = sh.next.fetch_add(1)) < sh.items;) {
-    const int64_t j0 = i * sh.p.item_cols;
-    RunItem(sh.p, j0, std::min(sh.p.item_cols, sh.p.N - j0));
-    if (sh.done.fetch_add(1) + 1 == sh.items) {
-      std::lock_guard<std::mutex> lock(sh.mu);
-      sh.cv.notify_all();
+// fn(i) for i in [0, n), indices handed out by an atomic counter to the calling thread and
+// to tasks on XLA's pool. A task that starts after every index is taken exits without
+// touching anything, so the caller never waits on a task that has not started (a pool of
+// one thread cannot deadlock).
+template <typename Fn>
+void ParallelFor(ffi::ThreadPool& pool, int64_t n, const Fn& fn) {
+  struct State {
+    std::atomic<int64_t> next{0}, done{0};
+    std::mutex mu;
+    std::condition_variable cv;
+  };
+  auto st = std::make_shared<State>();
+  auto drain = [st, n, &fn] {
+    for (int64_t i; (i = st->next.fetch_add(1)) < n;) {
+      fn(i);
+      if (st->done.fetch_add(1) + 1 == n) {
+        std::lock_guard<std::mutex> lock(st->mu);
+        st->cv.notify_all();
+      }
     }
+  };
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), n) - 1;
+  for (int64_t i = 0; i < helpers; ++i) {
+    auto task = drain;
+    pool.Schedule(std::move(task));
   }
+  drain();
+  std::unique_lock<std::mutex> lock(st->mu);
+  st->cv.wait(lock, [&] { return st->done.load() == n; });
 }
 
 ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
@@ -197,8 +205,7 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
   if (xd.size() != 2 || wd.size() != 4) return ffi::Error::InvalidArgument("linear: bad ranks");
   const int64_t l = layer.typed_data()[0];
   if (l < 0 || l >= wd[0]) return ffi::Error::InvalidArgument("linear: layer out of range");
-  auto shared = std::make_shared<Shared>();
-  Problem& p = shared->p;
+  Problem p;
   const int64_t total_rows = xd[0];
   p.M = std::clamp<int64_t>(rows.typed_data()[0], 0, total_rows);
   p.K = xd[1];
@@ -214,16 +221,33 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
     std::fill(p.y, p.y + p.M * p.N, 0.0f);
     return ffi::Error::Success();
   }
-  PackX(p);
-  // Narrow items when W has few columns, so that every thread gets several (load balance).
+  const int64_t blocks = (p.M + MR - 1) / MR;
+  p.xp.assign(blocks * MR * p.K, 0.0f);
+  if (p.M <= MC) {
+    for (int64_t b = 0; b < blocks; ++b) PackBlock(p, b);
+  } else {  // prefill-sized: packing x is worth spreading over the threads too
+    ParallelFor(pool, (blocks + 7) / 8, [&](int64_t i) {
+      for (int64_t b = 8 * i; b < std::min(blocks, 8 * i + 8); ++b) PackBlock(p, b);
+    });
+  }
   const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
-  p.item_cols = NR * PW * std::clamp<int64_t>(p.N / (NR * PW * 8 * threads), 1, NP / PW);
-  shared->items = (p.N + p.item_cols - 1) / p.item_cols;
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), shared->items) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([shared] { Drain(*shared); });
-  Drain(*shared);
-  std::unique_lock<std::mutex> lock(shared->mu);
-  shared->cv.wait(lock, [&] { return shared->done.load() == shared->items; });
+  if (p.M <= MC) {
+    // Decode-sized: all rows in each item; narrow items when W has few columns, so that
+    // every thread gets several (load balance).
+    p.item_rows = p.M;
+    p.item_cols = NR * PW * std::clamp<int64_t>(p.N / (NR * PW * 8 * threads), 1, NP / PW);
+  } else {
+    // Prefill-sized: items of MC rows x NCP columns, so that a KC x MC block of x, in L2,
+    // serves NCP / NR / PW micro-tile columns before the next is read.
+    p.item_rows = MC;
+    p.item_cols = std::min<int64_t>(NCP, (p.N + NR * PW - 1) / (NR * PW) * NR * PW);
+  }
+  p.col_items = (p.N + p.item_cols - 1) / p.item_cols;
+  const int64_t items = p.col_items * ((p.M + p.item_rows - 1) / p.item_rows);
+  ParallelFor(pool, items, [&p](int64_t i) {
+    const int64_t j0 = (i % p.col_items) * p.item_cols, m0 = (i / p.col_items) * p.item_rows;
+    RunItem(p, m0, std::min(p.M, m0 + p.item_rows), j0, std::min(p.item_cols, p.N - j0));
+  });
   return ffi::Error::Success();
 }
 
