@@ -137,7 +137,7 @@ def _with_gguf_weights(folder, path, out):
 @pytest.mark.parametrize("arch", ["gemma", "falcon", "qwen3moe"])
 def test_unsupported_gguf_architecture_is_named(tmp_path, tiny_llama_dir, arch):
     path = write_gguf(tmp_path / f"{arch}.gguf", tiny_llama_dir, arch=arch)
-    with pytest.raises(ValueError, match=f"GGUF architecture '{arch}' is not supported"):
+    with pytest.raises(ValueError, match=f"'{arch}'.*not supported"):
         loader.load_arch_config(loader.resolve_model_source(str(path)))
 
 
