@@ -126,6 +126,28 @@ def test_every_isa_path_matches_the_reference(isa):
 
 
 @needs_kernels
+@pytest.mark.parametrize("isa", cpu_kernels.runnable_isas())
+def test_a_row_is_the_same_bits_whatever_else_is_in_the_step(isa):
+    """Batch invariance of the kernel: x's row 0 times W gives the same bits alone as among
+    1, 3, 4, 7, 8, 9, 64 and 128 rows (the fused small-step tiles, the row buffer's tiles of
+    every height, both sides of the old dot / panel boundary at 8), every format, N = 21 (a
+    partial group of rows), K = 512, and each of them within TOL of the float64 product."""
+    rng = np.random.default_rng(11)
+    for fmt in FORMATS:
+        blocks = blocks_for(fmt, 21, 512, seed=12)
+        w = gq.GGUFWeight(jnp.asarray(blocks), fmt, 512)
+        x = rng.normal(size=(128, 512)).astype(np.float32)
+        alone = np.asarray(cpu_gguf.matmul(jnp.asarray(x[:1]), w, isa=isa))
+        ref, scale = reference(x[:1], blocks, fmt)
+        assert rel_err(alone, ref, scale) < TOL, (isa, fmt)
+        for m in (2, 4, 5, 8, 9, 64, 128):
+            got = np.asarray(cpu_gguf.matmul(jnp.asarray(x[:m]), w, isa=isa))
+            np.testing.assert_array_equal(got[:1], alone, err_msg=f"{isa} {fmt} M={m}")
+            ref, scale = reference(x[:m], blocks, fmt)
+            assert rel_err(got, ref, scale) < TOL, (isa, fmt, m)
+
+
+@needs_kernels
 def test_native_reads_the_layer_of_a_stack_and_only_the_real_rows():
     rng = np.random.default_rng(5)
     stack = np.stack([blocks_for("Q4_1", 24, 64, seed=s) for s in range(3)])  # [3, 24, B]

@@ -13,13 +13,16 @@
 // and high bits masked and shifted in the lanes, converted and scaled (F16C for the f16
 // scales where the path has it).
 //
-// Products, by the number of rows of x:
-//   up to kDotMaxRows (decode): NB = 4 rows of W dequantized, then a dot product over K per
-//     (row of x, row of W), lanes summed pairwise in a fixed order (`TreeSum`);
-//   more: PW = 16 rows of W dequantized and transposed into a panel [K][16], and a
-//     micro-kernel keeps an MR x 16 block of y in 12 vector registers, adding x[m, k]
-//     broadcast times the panel's row k (outer products, no horizontal sums).
-// The result does not depend on the thread count. Vector width comes from simd.h (AVX-512,
+// Products: dot products over K for every row count. A tile of MT rows of x (4 on AVX-512,
+// 2 elsewhere) times R = 4 rows of W keeps MT x R vector accumulators; lane j of acc[m][r]
+// sums x[m, k] w[r, k] over k = j, j + V, j + 2V, ... in order (V the vector width), and a
+// fixed tree over the lanes (`TreeSum`) gives y[m, n]. The R rows are dequantized into a
+// buffer [R][K] (L1) that every tile of x reads, or, in steps of at most MT rows and formats
+// of 32-value blocks, straight into registers block by block (`FusedTile`: no buffer, the same
+// values and order). Each row's scales (f16) are converted together first (`BlockHalves`).
+// Every (m, n) is reduced in the same order whatever M is: a row's result does not depend on
+// what else is in its step (batch invariance).
+// Nor does it depend on the thread count. Vector width comes from simd.h (AVX-512,
 // AVX2 or the portable 4-float path, one build each).
 //
 // Only the first `rows` rows of x are multiplied (a step padded to its shape bucket passes its
@@ -46,8 +49,6 @@
 namespace ffi = xla::ffi;
 
 namespace {
-
-constexpr int NB = 4;  // rows of W dequantized together for dot products (small M)
 
 // ggml's type ids (pagedjax/ops/gguf_quant.py GGML_TYPE_IDS).
 enum QType : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
@@ -115,10 +116,13 @@ inline vi Iota() {
   return v;
 }
 
-// A 32-value block's 16 nibble bytes -> out[0:32] = d * q + m (value j from the low half of
-// byte j, value j + 16 from its high half); with qh, bit j of qh is value j's fifth bit.
+constexpr int kBlockVecs = 32 / kVecFloats;  // vectors per 32-value block
+
+// A 32-value block's 16 nibble bytes -> w[0 : kBlockVecs] = d * q + m, in registers (value j
+// from the low half of byte j, value j + 16 from its high half); with qh, bit j of qh is
+// value j's fifth bit.
 template <bool kFifth>
-inline void Nibbles32(const uint8_t* qs, uint32_t qh, float d, float m, float* out) {
+inline void Nibbles32(const uint8_t* qs, uint32_t qh, float d, float m, vf* w) {
   const vf dv = Splat(d), mv = Splat(m);
   for (int c = 0; c < 16; c += kVecFloats) {
     const vi q = WidenU8(qs + c);
@@ -129,8 +133,33 @@ inline void Nibbles32(const uint8_t* qs, uint32_t qh, float d, float m, float* o
       lo |= ((h >> j) & 1) << 4;
       hi |= ((h >> (j + 16)) & 1) << 4;
     }
-    VStore(out + c, dv * __builtin_convertvector(lo, vf) + mv);
-    VStore(out + 16 + c, dv * __builtin_convertvector(hi, vf) + mv);
+    w[c / kVecFloats] = dv * __builtin_convertvector(lo, vf) + mv;
+    w[(16 + c) / kVecFloats] = dv * __builtin_convertvector(hi, vf) + mv;
+  }
+}
+
+// Formats of 32-value blocks: block bytes, and whether a block carries a min m (w = d q + m).
+template <int64_t T>
+constexpr int64_t kBlockBytes = T == Q8_0 ? 34 : T == Q4_0 ? 18 : T == Q4_1 ? 20 : T == Q5_0 ? 22 : 24;
+template <int64_t T>
+constexpr bool kHasMin = T == Q4_1 || T == Q5_1;
+
+// One 32-value block b of format T (its scale d and min m already converted) -> w[0 :
+// kBlockVecs], in registers. The one dequantization of these formats: the row buffer and the
+// fused small-M kernel both use it, so they see the same values.
+template <int64_t T>
+inline void Block32(const uint8_t* b, float d, float m, vf* w) {
+  if constexpr (T == Q8_0) {
+    const vf dv = Splat(d);
+    for (int c = 0; c < 32; c += kVecFloats)
+      w[c / kVecFloats] = dv * __builtin_convertvector(WidenS8(b + 2 + c), vf);
+  } else if constexpr (T == Q4_0 || T == Q4_1) {
+    Nibbles32<false>(b + (T == Q4_0 ? 2 : 4), 0, d, T == Q4_1 ? m : -8.0f * d, w);
+  } else {
+    const uint8_t* hb = b + (T == Q5_0 ? 2 : 4);
+    const uint32_t qh = uint32_t(hb[0]) | (uint32_t(hb[1]) << 8) | (uint32_t(hb[2]) << 16) |
+                        (uint32_t(hb[3]) << 24);
+    Nibbles32<true>(hb + 4, qh, d, T == Q5_1 ? m : -16.0f * d, w);
   }
 }
 
@@ -144,34 +173,46 @@ inline void ScaleMinK4(int j, const uint8_t* s, int* sc, int* mn) {
   }
 }
 
-// One row of K values -> out[0:K]. The inner loops have fixed trip counts and no branches,
-// so the compiler vectorizes them.
+// The f16 words at b + i * kBytes + off, i < n, -> d[i] (and, with m, the f16 words two
+// bytes later -> m[i]): the scales of a row's 32-value blocks, converted all at once (a
+// gather of 32-bit words and a vector conversion on AVX-512; F16C or bits elsewhere).
+template <int64_t kBytes>
+inline void BlockHalves(const uint8_t* b, int64_t n, float* d, float* m) {
+#if defined(PAGEDJAX_ISA_AVX512)
+  const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,
+                                                           11, 12, 13, 14, 15),
+                                         _mm512_set1_epi32(int(kBytes)));
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 mask = n - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1);
+    const __m512i v = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask, idx,
+                                                  b + i * kBytes, 1);
+    _mm512_mask_storeu_ps(d + i, mask, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v)));
+    if (m != nullptr)
+      _mm512_mask_storeu_ps(m + i, mask,
+                            _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(v, 16))));
+  }
+#else
+  for (int64_t i = 0; i < n; ++i) {
+    d[i] = Half(b + i * kBytes);
+    if (m != nullptr) m[i] = Half(b + i * kBytes + 2);
+  }
+#endif
+}
+
+// One row of K values -> out[0:K]; `scales` holds room for 2 * K / 32 floats. The inner loops
+// have fixed trip counts and no branches, so the compiler vectorizes them.
 template <int64_t T>
-void DequantRow(const uint8_t* __restrict b, int64_t K, float* __restrict out) {
-  if constexpr (T == Q8_0) {
-    for (int64_t i = 0; i < K / 32; ++i, b += 34, out += 32) {
-      const vf d = Splat(Half(b));
-      for (int c = 0; c < 32; c += kVecFloats) {
-        const vi q = WidenS8(b + 2 + c);
-        VStore(out + c, d * __builtin_convertvector(q, vf));
-      }
-    }
-  } else if constexpr (T == Q4_0 || T == Q4_1) {
-    constexpr int64_t bytes = T == Q4_0 ? 18 : 20;
-    for (int64_t i = 0; i < K / 32; ++i, b += bytes, out += 32) {
-      const float d = Half(b);
-      const float m = T == Q4_1 ? Half(b + 2) : -8.0f * d;
-      Nibbles32<false>(b + (T == Q4_0 ? 2 : 4), 0, d, m, out);
-    }
-  } else if constexpr (T == Q5_0 || T == Q5_1) {
-    constexpr int64_t bytes = T == Q5_0 ? 22 : 24;
-    for (int64_t i = 0; i < K / 32; ++i, b += bytes, out += 32) {
-      const float d = Half(b);
-      const float m = T == Q5_1 ? Half(b + 2) : -16.0f * d;
-      const uint8_t* hb = b + (T == Q5_0 ? 2 : 4);
-      const uint32_t qh = uint32_t(hb[0]) | (uint32_t(hb[1]) << 8) | (uint32_t(hb[2]) << 16) |
-                          (uint32_t(hb[3]) << 24);
-      Nibbles32<true>(hb + 4, qh, d, m, out);
+void DequantRow(const uint8_t* __restrict b, int64_t K, float* __restrict out,
+                float* __restrict scales) {
+  const int64_t nb = K / 32;
+  float* ds = scales;
+  float* ms = scales + nb;
+  if constexpr (T == Q8_0 || T == Q4_0 || T == Q4_1 || T == Q5_0 || T == Q5_1) {
+    BlockHalves<kBlockBytes<T>>(b, nb, ds, kHasMin<T> ? ms : nullptr);
+    for (int64_t i = 0; i < nb; ++i, b += kBlockBytes<T>, out += 32) {
+      vf w[kBlockVecs];
+      Block32<T>(b, ds[i], kHasMin<T> ? ms[i] : 0.0f, w);
+      for (int v = 0; v < kBlockVecs; ++v) VStore(out + v * kVecFloats, w[v]);
     }
   } else if constexpr (T == Q4_K || T == Q5_K) {
     constexpr int64_t bytes = T == Q4_K ? 144 : 176;
@@ -226,7 +267,7 @@ void DequantRow(const uint8_t* __restrict b, int64_t K, float* __restrict out) {
   }
 }
 
-typedef void (*DequantFn)(const uint8_t*, int64_t, float*);
+typedef void (*DequantFn)(const uint8_t*, int64_t, float*, float*);
 
 DequantFn Dequantizer(int64_t qtype) {
   switch (qtype) {
@@ -242,115 +283,171 @@ DequantFn Dequantizer(int64_t qtype) {
   }
 }
 
-// Lanes summed pairwise (a fixed tree: the same order in every call).
+// Lanes summed pairwise in a fixed tree: lane i with lane i + W / 2, then i with i + W / 4,
+// ... (the same pairs in every call, on every path's own vector width).
 inline float TreeSum(vf x) {
+#if defined(PAGEDJAX_ISA_AVX512)
+  const __m512 v = (__m512)x;
+  const __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+  const __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  const __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
+  return _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps(c, c, 1)));
+#elif defined(PAGEDJAX_ISA_AVX2)
+  const __m256 v = (__m256)x;
+  const __m128 b = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
+  return _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps(c, c, 1)));
+#else
   float a[kVecFloats];
   std::memcpy(a, &x, sizeof(a));
   for (int w = kVecFloats / 2; w > 0; w /= 2)
     for (int i = 0; i < w; ++i) a[i] += a[i + w];
   return a[0];
+#endif
 }
 
-// Small M (dot products over K): y[0, j] = dot(x[0, :], w[j, :]) for j < J, w J dequantized
-// rows [J][K].
-template <int J>
-inline void DotBlock(const float* __restrict x, const float* __restrict w, int64_t K,
-                     float* __restrict y) {
-  vf acc[J];
-  for (int j = 0; j < J; ++j) acc[j] = vf{};
+// The product of every row count: dot products. R rows of W are dequantized into a buffer
+// [R][K]; a tile of MT rows of x times those R rows keeps MT x R vector accumulators, lane j
+// of acc[m][r] summing x[m, k] w[r, k] over k = j, j + V, j + 2V, ... (V = kVecFloats) in
+// order, and a tree sum of the lanes gives y[m, n + r]. Each (m, n) is reduced in the same
+// order whatever M is and however the rows are tiled, so a row's result does not depend on
+// the other rows of its step (batch invariance) nor on the thread count.
+constexpr int R = 4;                                // rows of W per buffer
+constexpr int MT = kVecRegs >= 32 ? 4 : 2;          // rows of x per tile
+
+template <int M, int RR>
+void DotTile(const float* __restrict x, int64_t K, const float* __restrict w,
+             float* __restrict y, int64_t N) {
+  vf acc[M][RR];
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < RR; ++r) acc[m][r] = vf{};
   for (int64_t k = 0; k < K; k += kVecFloats) {
-    const vf xv = VLoad(x + k);
-    for (int j = 0; j < J; ++j) acc[j] += xv * VLoad(w + j * K + k);
-  }
-  for (int j = 0; j < J; ++j) y[j] = TreeSum(acc[j]);
-}
-
-template <int J>
-void DotRows(const float* x, int64_t M, int64_t K, const float* w, float* y, int64_t N) {
-  for (int64_t m = 0; m < M; ++m) DotBlock<J>(x + m * K, w, K, y + m * N);
-}
-
-// Larger M (outer products): PW = 16 dequantized rows transposed into a panel [K][16]; a
-// micro-kernel keeps an MR x 16 block of y in registers (MR * 16 / kVecFloats = 12 vector
-// accumulators) and adds, for each k, x[m, k] broadcast times the panel's row k.
-constexpr int PW = 16;
-constexpr int NV = PW / kVecFloats;  // vectors per panel row
-constexpr int MR = 12 / NV;          // rows of x per micro-kernel call
-
-template <int R>
-void PanelMicro(const float* __restrict x, int64_t K, const float* __restrict panel,
-                float* __restrict y, int64_t ldy, int cols) {
-  vf acc[R][NV];
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < NV; ++v) acc[r][v] = vf{};
-  for (int64_t k = 0; k < K; ++k) {
-    vf wv[NV];
-    for (int v = 0; v < NV; ++v) wv[v] = VLoad(panel + k * PW + v * kVecFloats);
-    for (int r = 0; r < R; ++r) {
-      const vf xs = Splat(x[r * K + k]);
-      for (int v = 0; v < NV; ++v) acc[r][v] += xs * wv[v];
+    vf wv[RR];
+    for (int r = 0; r < RR; ++r) wv[r] = VLoad(w + r * K + k);
+    for (int m = 0; m < M; ++m) {
+      const vf xv = VLoad(x + m * K + k);
+      for (int r = 0; r < RR; ++r) acc[m][r] += xv * wv[r];
     }
   }
-  for (int r = 0; r < R; ++r) {
-    if (cols == PW) {
-      for (int v = 0; v < NV; ++v) VStore(y + r * ldy + v * kVecFloats, acc[r][v]);
-    } else {
-      float tmp[PW];
-      for (int v = 0; v < NV; ++v) VStore(tmp + v * kVecFloats, acc[r][v]);
-      std::memcpy(y + r * ldy, tmp, cols * sizeof(float));
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < RR; ++r) y[m * N + r] = TreeSum(acc[m][r]);
+}
+
+typedef void (*TileFn)(const float*, int64_t, const float*, float*, int64_t);
+
+template <int RR, int... Ms>
+constexpr std::array<TileFn, sizeof...(Ms) + 1> TileRow(std::integer_sequence<int, Ms...>) {
+  return {nullptr, DotTile<Ms + 1, RR>...};
+}
+// kTile[rr][mt]: a tile of mt rows of x (1..MT) and rr rows of W (1..R).
+const std::array<std::array<TileFn, MT + 1>, R + 1> kTile = {
+    std::array<TileFn, MT + 1>{},
+    TileRow<1>(std::make_integer_sequence<int, MT>{}),
+    TileRow<2>(std::make_integer_sequence<int, MT>{}),
+    TileRow<3>(std::make_integer_sequence<int, MT>{}),
+    TileRow<4>(std::make_integer_sequence<int, MT>{}),
+};
+
+// Small M (at most MT rows of x), formats of 32-value blocks: the R rows' blocks dequantized
+// straight into registers and multiplied at once, without the row buffer. The same values
+// (Block32) and, per (m, n), the same order of accumulation as DotTile over the buffer, so the
+// result is the same bits as for any other M.
+template <int64_t T, int M, int RR>
+void FusedTile(const float* __restrict x, int64_t K, const uint8_t* __restrict w,
+               int64_t row_bytes, const float* __restrict scales, float* __restrict y,
+               int64_t N) {
+  const int64_t nb = K / 32;
+  vf acc[M][RR];
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < RR; ++r) acc[m][r] = vf{};
+  for (int64_t i = 0; i < nb; ++i) {
+    for (int r = 0; r < RR; ++r) {
+      const float* sc = scales + r * 2 * nb;  // row r's d [nb], then its m [nb]
+      vf wv[kBlockVecs];
+      Block32<T>(w + r * row_bytes + i * kBlockBytes<T>, sc[i], kHasMin<T> ? sc[nb + i] : 0.0f,
+                 wv);
+      for (int m = 0; m < M; ++m)
+        for (int v = 0; v < kBlockVecs; ++v)
+          acc[m][r] += VLoad(x + m * K + i * 32 + v * kVecFloats) * wv[v];
     }
   }
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < RR; ++r) y[m * N + r] = TreeSum(acc[m][r]);
 }
 
-typedef void (*PanelFn)(const float*, int64_t, const float*, float*, int64_t, int);
+typedef void (*FusedFn)(const float*, int64_t, const uint8_t*, int64_t, const float*, float*,
+                        int64_t);
+typedef std::array<std::array<FusedFn, MT + 1>, R + 1> FusedTable;
 
-template <int... Rs>
-constexpr std::array<PanelFn, sizeof...(Rs) + 1> PanelTable(std::integer_sequence<int, Rs...>) {
-  return {nullptr, PanelMicro<Rs + 1>...};
+template <int64_t T, int RR, int... Ms>
+constexpr std::array<FusedFn, sizeof...(Ms) + 1> FusedRow(std::integer_sequence<int, Ms...>) {
+  return {nullptr, FusedTile<T, Ms + 1, RR>...};
 }
-constexpr auto kPanel = PanelTable(std::make_integer_sequence<int, MR>{});
+
+template <int64_t T>
+const FusedTable kFused = {
+    std::array<FusedFn, MT + 1>{},
+    FusedRow<T, 1>(std::make_integer_sequence<int, MT>{}),
+    FusedRow<T, 2>(std::make_integer_sequence<int, MT>{}),
+    FusedRow<T, 3>(std::make_integer_sequence<int, MT>{}),
+    FusedRow<T, 4>(std::make_integer_sequence<int, MT>{}),
+};
+
+// The fused tiles of a format (nullptr for the K-quants, which take the row buffer), and the
+// conversion of one row's block scales into d [nb], m [nb].
+struct Fused {
+  const FusedTable* tiles = nullptr;
+  void (*halves)(const uint8_t*, int64_t, float*, float*) = nullptr;
+};
+
+template <int64_t T>
+void RowHalves(const uint8_t* b, int64_t nb, float* d, float* m) {
+  BlockHalves<kBlockBytes<T>>(b, nb, d, kHasMin<T> ? m : nullptr);
+}
+
+Fused FusedFor(int64_t qtype) {
+  switch (qtype) {
+    case Q4_0: return {&kFused<Q4_0>, RowHalves<Q4_0>};
+    case Q4_1: return {&kFused<Q4_1>, RowHalves<Q4_1>};
+    case Q5_0: return {&kFused<Q5_0>, RowHalves<Q5_0>};
+    case Q5_1: return {&kFused<Q5_1>, RowHalves<Q5_1>};
+    case Q8_0: return {&kFused<Q8_0>, RowHalves<Q8_0>};
+    default: return {};
+  }
+}
 
 struct Problem {
   const float* x;    // [M, K]
   const uint8_t* w;  // this layer's rows [N][row_bytes]
   float* y;          // [M, N]
   int64_t M, K, N, row_bytes;
-  int64_t item_rows;  // output rows per work item (a multiple of NB)
+  int64_t item_rows;  // output rows per work item (a multiple of R)
   DequantFn dequant;
+  Fused fused;
 };
 
-// Rows of x up to which a step uses dot products (above: outer products on a panel).
-constexpr int64_t kDotMaxRows = 8;
-
 void RunItem(const Problem& p, int64_t n0, int64_t n1, std::vector<float>& buf) {
-  if (p.M <= kDotMaxRows) {
-    buf.resize(NB * p.K);
-    for (int64_t n = n0; n < n1; n += NB) {
-      const int64_t rows = std::min<int64_t>(NB, n1 - n);
-      for (int64_t j = 0; j < rows; ++j) p.dequant(p.w + (n + j) * p.row_bytes, p.K, &buf[j * p.K]);
-      float* y = p.y + n;
-      switch (rows) {
-        case 4: DotRows<4>(p.x, p.M, p.K, buf.data(), y, p.N); break;
-        case 3: DotRows<3>(p.x, p.M, p.K, buf.data(), y, p.N); break;
-        case 2: DotRows<2>(p.x, p.M, p.K, buf.data(), y, p.N); break;
-        default: DotRows<1>(p.x, p.M, p.K, buf.data(), y, p.N); break;
-      }
+  const int64_t nb = p.K / 32;
+  if (p.M <= MT && p.fused.tiles != nullptr) {
+    buf.resize(R * 2 * nb);
+    for (int64_t n = n0; n < n1; n += R) {
+      const int rr = int(std::min<int64_t>(R, n1 - n));
+      const uint8_t* w = p.w + n * p.row_bytes;
+      for (int j = 0; j < rr; ++j)
+        p.fused.halves(w + j * p.row_bytes, nb, &buf[j * 2 * nb], &buf[j * 2 * nb + nb]);
+      (*p.fused.tiles)[rr][p.M](p.x, p.K, w, p.row_bytes, buf.data(), p.y + n, p.N);
     }
     return;
   }
-  buf.resize(2 * PW * p.K);
-  float* rows_buf = buf.data();          // [PW][K]
-  float* panel = buf.data() + PW * p.K;  // [K][PW]
-  for (int64_t n = n0; n < n1; n += PW) {
-    const int cols = int(std::min<int64_t>(PW, n1 - n));
-    for (int j = 0; j < cols; ++j) p.dequant(p.w + (n + j) * p.row_bytes, p.K, rows_buf + j * p.K);
-    for (int64_t k = 0; k < p.K; ++k) {
-      for (int j = 0; j < cols; ++j) panel[k * PW + j] = rows_buf[j * p.K + k];
-      for (int j = cols; j < PW; ++j) panel[k * PW + j] = 0.0f;
-    }
-    for (int64_t m = 0; m < p.M; m += MR) {
-      const int r = int(std::min<int64_t>(MR, p.M - m));
-      kPanel[r](p.x + m * p.K, p.K, panel, p.y + m * p.N + n, p.N, cols);
+  buf.resize(R * p.K + 2 * nb + 16);
+  float* scales = buf.data() + R * p.K;
+  for (int64_t n = n0; n < n1; n += R) {
+    const int rr = int(std::min<int64_t>(R, n1 - n));
+    for (int j = 0; j < rr; ++j)
+      p.dequant(p.w + (n + j) * p.row_bytes, p.K, &buf[j * p.K], scales);
+    for (int64_t m = 0; m < p.M; m += MT) {
+      const int mt = int(std::min<int64_t>(MT, p.M - m));
+      kTile[rr][mt](p.x + m * p.K, p.K, buf.data(), p.y + m * p.N + n, p.N);
     }
   }
 }
@@ -395,6 +492,7 @@ ffi::Error GgufLinear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   p.N = y->dimensions()[1];
   p.row_bytes = wd[2];
   p.dequant = Dequantizer(qtype);
+  p.fused = FusedFor(qtype);
   if (p.dequant == nullptr) return ffi::Error::InvalidArgument("gguf linear: unknown qtype");
   if (wd[1] != p.N || p.K % block_values || p.K % kVecFloats ||
       p.K / block_values * block_bytes != p.row_bytes)
@@ -406,7 +504,7 @@ ffi::Error GgufLinear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   if (p.M == 0 || p.N == 0) return ffi::Error::Success();
   const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
   // About eight items per thread (load balance), 16 to 64 rows each (a multiple of the panel).
-  p.item_rows = PW * std::clamp<int64_t>(p.N / (PW * 8 * threads), 1, 4);
+  p.item_rows = 16 * std::clamp<int64_t>(p.N / (16 * 8 * threads), 1, 4);
   shared->items = (p.N + p.item_rows - 1) / p.item_rows;
   const int64_t helpers = std::min<int64_t>(pool.num_threads(), shared->items) - 1;
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([shared] { Drain(*shared); });
