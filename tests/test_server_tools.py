@@ -74,7 +74,8 @@ Tools:
 
 class StubEngine:
     """Records (prompt ids, SamplingParams) of each request and answers every choice with
-    `self.reply` (DELTA outputs of 3 characters, or one FINAL_ONLY output). A constraint
+    `self.reply` (DELTA outputs of 3 characters, or one FINAL_ONLY output), finished with
+    `self.finish_reason`. A constraint
     whose regex is "(" or whose schema has "type": "nonsense" is refused as the engine
     refuses what does not compile."""
 
@@ -87,6 +88,7 @@ class StubEngine:
         self.errored = False
         self.requests: list[tuple[list[int], object]] = []
         self.reply = ""
+        self.finish_reason = "stop"
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -116,7 +118,7 @@ class StubEngine:
                         index=i,
                         text=piece,
                         token_ids=[5] * len(piece),
-                        finish_reason="stop" if last else None,
+                        finish_reason=self.finish_reason if last else None,
                     )
                     for i in range(params.n)
                 ]
@@ -269,6 +271,32 @@ def test_tool_choice_required_is_forced_and_read(tokenizer):
     # one call only without parallel tool calls
     _post(app, CHAT, {**body, "parallel_tool_calls": False})
     assert engine.requests[-1][1].structured_outputs.json["maxItems"] == 1
+
+
+def test_a_required_reply_cut_by_length_keeps_its_complete_calls(tokenizer):
+    """max_tokens cuts the array inside its third call: the two complete calls come back, as
+    the stream sent them, with finish_reason "length" (the stream also sent the start of the
+    third once its name was complete); cut inside the first call: content."""
+    engine, app = _app(tokenizer)
+    engine.finish_reason = "length"
+    args = '{"city": "Paris", "unit": "c"}'
+    two = f'[{{"name": "get_weather", "parameters": {args}}}, {{"name": "now", "parameters": {{}}}}'
+    body = {"messages": MSG, "tools": TOOLS, "tool_choice": "required"}
+    for third, streamed_third in [
+        (', {"name": "get_weather", "parameters": {"ci', [["get_weather", '{"ci']]),
+        (', {"name": "no', []),
+    ]:
+        engine.reply = two + third
+        choice = _post(app, CHAT, body).json()["choices"][0]
+        assert choice["finish_reason"] == "length" and choice["message"]["content"] is None
+        assert _tool_calls(choice["message"]) == [("get_weather", args), ("now", "{}")]
+        content, calls, finish, _ = _stream_with_openai(app, body)
+        assert (content, finish) == ("", "length")
+        assert calls == [["get_weather", args], ["now", "{}"], *streamed_third]
+    engine.reply = '[{"name": "get_weather", "parameters": {"ci'
+    choice = _post(app, CHAT, body).json()["choices"][0]
+    assert choice["message"] == {"role": "assistant", "content": engine.reply}
+    assert choice["finish_reason"] == "length"
 
 
 def test_named_tool_choice_is_forced_and_read(tokenizer):

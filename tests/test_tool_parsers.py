@@ -247,3 +247,52 @@ def test_request_fields_map_to_one_constraint():
         with pytest.raises(InvalidInputError) as e:
             request_constraint(*bad)
         assert e.value.param == param, bad
+
+
+# a "required" output with three calls, and where each call's object ends in it
+REQUIRED_CALLS = [("get_weather", WEATHER_ARGS), ("now", "{}"), ("get_weather", '{"city": "Oslo"}')]
+REQUIRED_PIECES = [f'{{"name": "{n}", "parameters": {a}}}' for n, a in REQUIRED_CALLS]
+REQUIRED_TEXT = "[" + ", ".join(REQUIRED_PIECES) + "]"
+REQUIRED_ENDS = [
+    len("[" + ", ".join(REQUIRED_PIECES[: k + 1])) for k in range(len(REQUIRED_PIECES))
+]
+
+
+def test_a_required_output_cut_by_length_keeps_its_complete_calls_at_every_cut():
+    """Cut at every character (finish_reason "length"): the calls whose objects closed before
+    the cut, exactly as the stream of that prefix sent them; none closed: all content."""
+    parser = RequiredToolParser()
+    for n in range(len(REQUIRED_TEXT) + 1):
+        text = REQUIRED_TEXT[:n]
+        expected = [c for c, end in zip(REQUIRED_CALLS, REQUIRED_ENDS, strict=True) if end <= n]
+        content, calls = parser.extract(text, cut=True)
+        assert [(c.function.name, c.function.arguments) for c in calls] == expected, n
+        assert content == (None if expected else text or None), n
+        # the stream sent those calls in full (and perhaps the start of the next one)
+        streamed = _stream(parser, text, list(range(n)))[1]
+        assert [tuple(c) for c in streamed[: len(expected)]] == expected, n
+        assert len(streamed) - len(expected) in (0, 1), n
+    # two complete calls and the third cut after its name: exactly the two
+    text = REQUIRED_TEXT[: REQUIRED_ENDS[1]] + ', {"name": "get_weather", "parameters": {"ci'
+    content, calls = parser.extract(text, cut=True)
+    assert content is None
+    assert [(c.function.name, c.function.arguments) for c in calls] == REQUIRED_CALLS[:2]
+    assert _stream(parser, text, [len(text) // 2]) == (
+        "",
+        [[n, a] for n, a in REQUIRED_CALLS[:2]] + [["get_weather", '{"ci']],
+    )
+    # not cut (finish_reason "stop"), the same prefix is not the forced format: content
+    assert parser.extract(text) == (text, [])
+
+
+def test_a_cut_output_of_other_parsers_is_read_as_before():
+    """A named call cut inside its arguments, and an "auto" (unforced) output cut inside a
+    call, stay content; a named call whose object closed is its call."""
+    named = NamedToolParser("f")
+    assert named.extract('{"x": [1, 2', cut=True) == ('{"x": [1, 2', [])
+    content, calls = named.extract('{"x": 1}', cut=True)
+    assert content is None and [(c.function.name, c.function.arguments) for c in calls] == [
+        ("f", '{"x": 1}')
+    ]
+    text = '<tool_call>{"name": "f", "arguments": {}}</tool_call><tool_call>{"name": "g", "a'
+    assert HermesToolParser().extract(text, cut=True) == (text, [])

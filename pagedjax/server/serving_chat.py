@@ -19,7 +19,10 @@ schema built from the tools, and their output read by `RequiredToolParser` /
 `NamedToolParser`; "auto" (the default with tools) needs `--enable-auto-tool-choice` and
 reads the output with the `--tool-call-parser`'s parser; "none" reads nothing. Parsed calls
 come back as `message.tool_calls` with `finish_reason` "tool_calls"; a stream sends them as
-OpenAI's tool-call deltas (`ToolCallStreamer`), which concatenate to the same calls.
+OpenAI's tool-call deltas (`ToolCallStreamer`), which concatenate to the same calls. A forced
+reply cut off by `max_tokens` keeps the calls it completed, with `finish_reason` "length"
+(the stream had sent them already; it has also sent the start of the unfinished call, which
+the whole reply leaves out, its arguments not being complete JSON).
 """
 
 from __future__ import annotations
@@ -328,10 +331,11 @@ class OpenAIServingChat(OpenAIServing):
 
 def _message(o: CompletionOutput, echo: str, parser: ToolParser | None) -> ChatResponseMessage:
     """The reply of one finished choice: its text, or with a tool parser the content and
-    calls it reads (an output whose calls do not parse is all content)."""
+    calls it reads (an output whose calls do not parse is all content; a forced one cut by
+    the length limit keeps its complete calls, see `ToolParser.extract`)."""
     if parser is None:
         return ChatResponseMessage(content=echo + o.text)
-    content, calls = parser.extract(o.text)
+    content, calls = parser.extract(o.text, cut=o.finish_reason == "length")
     if echo:
         content = echo + (content or "")
     return ChatResponseMessage(content=content, tool_calls=calls or None)

@@ -45,20 +45,36 @@ class ToolParser:
     """Reads tool calls out of a model's output (see the module docstring)."""
 
     name = "base"
+    # the output is forced by a constraint (tool_choice "required" or a named function), so
+    # an output cut off by the length limit is a prefix of the forced JSON
+    forced = False
 
     def parse(self, text: str, final: bool) -> ParsedOutput:
         raise NotImplementedError
 
-    def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
+    def extract(self, text: str, cut: bool = False) -> tuple[str | None, list[ToolCall]]:
         """The finished output as (content or None, tool calls). An output whose calls do not
         all parse (malformed JSON, a missing name, arguments that are not an object) is
-        all content, with no calls."""
+        all content, with no calls.
+
+        Args:
+            text: the whole output.
+            cut: the output was cut off by the length limit (finish_reason "length"). A forced
+                parser then drops the unfinished last call and returns the complete ones
+                before it (each with its whole arguments object): a stream of the same output
+                has already sent those calls in full, and OpenAI's "length" says only that
+                the reply was cut, so the two agree. With no complete call, or for an
+                unforced parser, the output is read as when not cut.
+        """
         parsed = self.parse(text, final=True)
-        if parsed.malformed or not parsed.calls or not all(c.valid() for c in parsed.calls):
+        found = parsed.calls
+        if cut and self.forced and found and not found[-1].complete:
+            found = found[:-1]  # parse stops at the first unfinished call: only the last
+        if parsed.malformed or not found or not all(c.valid() for c in found):
             return (text or None), []
         calls = [
             ToolCall(id=tool_call_id(), function=FunctionCall(name=c.name, arguments=c.arguments))
-            for c in parsed.calls
+            for c in found
         ]
         return (parsed.content or None), calls
 
@@ -81,6 +97,7 @@ class RequiredToolParser(ToolParser):
     `[{"name": ..., "parameters": {...}}, ...]`; no content."""
 
     name = "required"
+    forced = True
 
     def parse(self, text: str, final: bool) -> ParsedOutput:
         calls: list[PartialCall] = []
@@ -111,6 +128,7 @@ class NamedToolParser(ToolParser):
     """A named `tool_choice`: the whole output is that function's arguments object."""
 
     name = "named"
+    forced = True
 
     def __init__(self, function_name: str):
         self.function_name = function_name
