@@ -1,12 +1,14 @@
 """Writing a tiny Hugging Face checkpoint as a GGUF file the way llama.cpp's converter lays it
 out (`write_gguf`): its metadata keys per architecture, the tensor names of the `gguf`
 package's own name map, llama's Q/K row reordering (written out independently of the
-loader's inverse), and Gemma's RMSNorm weights stored as (w + 1). Used by the GGUF loading
-tests."""
+loader's inverse), Gemma's RMSNorm weights stored as (w + 1), and Qwen3-MoE's experts
+merged into one [E, out, in] stack per layer and weight (Qwen2MoeModel's merge). Used by the
+GGUF loading tests."""
 
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 
@@ -16,6 +18,7 @@ GGUF_ARCH = {
     "mistral": "llama",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
+    "qwen3_moe": "qwen3moe",
     "phi3": "phi3",
     "gemma2": "gemma2",
     "gemma3_text": "gemma3",
@@ -34,21 +37,55 @@ def llama_cpp_permute(w, n_head):
     return out
 
 
-def write_gguf(path, hf_dir, quantize_ffn=False, arch=None, extra_tensors=None, quantize=None):
+_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.weight$")
+
+
+def merged_experts(raw, num_experts):
+    """The per-expert tensors of `raw` merged as llama.cpp's Qwen2MoeModel does: name ->
+    [E, out, in] under `model.layers.<i>.mlp.experts.<w>.weight`; the other tensors as
+    they are."""
+    out, experts = {}, {}
+    for name, t in raw.items():
+        if m := _EXPERT.match(name):
+            experts.setdefault((int(m[1]), m[3]), {})[int(m[2])] = t
+        else:
+            out[name] = t
+    for (layer, w), by_id in experts.items():
+        assert sorted(by_id) == list(range(num_experts)), (layer, w)
+        out[f"model.layers.{layer}.mlp.experts.{w}.weight"] = np.stack(
+            [by_id[e] for e in range(num_experts)]
+        )
+    return out
+
+
+def write_gguf(
+    path,
+    hf_dir,
+    quantize_ffn=False,
+    arch=None,
+    extra_tensors=None,
+    quantize=None,
+    extra_fields=None,
+):
     """Writes the tiny HF checkpoint in `hf_dir` as a GGUF file at `path`.
 
     Args:
         quantize_ffn: store each layer's `ffn_up` as Q8_0.
         quantize: None, or fn(gguf tensor name) -> a block format name ("Q4_1", ...) or None:
-            2-D tensors are stored quantized with the `gguf` package's quantizer.
+            2-D and 3-D (expert stack) tensors are stored quantized with the `gguf` package's
+            quantizer.
         arch: the GGUF architecture to name (default: the converter's for the model_type).
         extra_tensors: {name: float32 array} written as well (tensors a file may carry).
+        extra_fields: {key: int} uint32 metadata written as well.
     """
     import gguf
     from safetensors.numpy import load_file
 
     cfg = json.loads((hf_dir / "config.json").read_text())
     raw = load_file(str(hf_dir / "model.safetensors"))
+    num_experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+    if cfg["model_type"] == "qwen3_moe":
+        raw = merged_experts(raw, num_experts)
     model_arch = GGUF_ARCH[cfg["model_type"]]
     arch = arch or model_arch
     L, heads = cfg["num_hidden_layers"], cfg["num_attention_heads"]
@@ -59,6 +96,12 @@ def write_gguf(path, hf_dir, quantize_ffn=False, arch=None, extra_tensors=None, 
         _text_model_parameters(w, cfg, model_arch)
     w.add_bos_token_id(cfg["bos_token_id"])
     w.add_eos_token_id(cfg["eos_token_id"])
+    if model_arch == "qwen3moe":  # TextModel's expert keys, Qwen2MoeModel's expert MLP size
+        w.add_expert_count(num_experts)
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    for key, value in (extra_fields or {}).items():
+        w.add_uint32(key, value)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[model_arch.upper()], L)
     for name, t in raw.items():
         if model_arch == "gemma2" and name == "lm_head.weight":
@@ -71,7 +114,7 @@ def write_gguf(path, hf_dir, quantize_ffn=False, arch=None, extra_tensors=None, 
             t = llama_cpp_permute(t, cfg["num_key_value_heads"])
         elif model_arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
             t = t + np.float32(1)  # Gemma's (1 + w), in the tensor's dtype
-        fmt = quantize(gg) if quantize and t.ndim == 2 else None
+        fmt = quantize(gg) if quantize and t.ndim >= 2 else None
         if fmt:
             kind = gguf.GGMLQuantizationType[fmt]
             w.add_tensor(gg, gguf.quants.quantize(t, kind), raw_dtype=kind)

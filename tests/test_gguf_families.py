@@ -134,10 +134,20 @@ def _with_gguf_weights(folder, path, out):
     return out
 
 
-@pytest.mark.parametrize("arch", ["gemma", "falcon", "qwen3moe"])
+@pytest.mark.parametrize("arch", ["gemma", "falcon", "qwen2moe"])
 def test_unsupported_gguf_architecture_is_named(tmp_path, tiny_llama_dir, arch):
     path = write_gguf(tmp_path / f"{arch}.gguf", tiny_llama_dir, arch=arch)
     with pytest.raises(ValueError, match=f"'{arch}'.*not supported"):
+        loader.load_arch_config(loader.resolve_model_source(str(path)))
+
+
+def test_mixtral_gguf_is_refused_as_mixture_of_experts(tmp_path, tiny_llama_dir):
+    """llama.cpp writes Mixtral as "llama" with an expert count: refused, MoE named (only
+    qwen3moe MoE files load: tests/test_gguf_moe.py)."""
+    path = write_gguf(
+        tmp_path / "mixtral.gguf", tiny_llama_dir, extra_fields={"llama.expert_count": 8}
+    )
+    with pytest.raises(ValueError, match="mixture-of-experts.*'llama' are not supported"):
         loader.load_arch_config(loader.resolve_model_source(str(path)))
 
 

@@ -1,5 +1,5 @@
-"""Reading GGUF files (llama, qwen2, qwen3, phi3, gemma2, gemma3 as llama.cpp's converter
-writes them): the
+"""Reading GGUF files (llama, qwen2, qwen3, qwen3moe, phi3, gemma2, gemma3 as llama.cpp's
+converter writes them): the
 architecture from the metadata, the tensors dequantized to float32 by the `gguf` package, and
 the routing of GGUF tensor names into the params pytree (`assign_gguf`).
 
@@ -8,6 +8,14 @@ What differs between the architectures' files:
     qwen2  q/k/v biases; rows stored as in Hugging Face (llama.cpp runs it with NeoX RoPE);
     qwen3  per-head q/k norms (`attn_q_norm`, `attn_k_norm`), `attention.key_length` the head
            dim; rows as in Hugging Face;
+    qwen3moe  qwen3's attention; every layer a mixture of experts: the router
+           `ffn_gate_inp` [E, D] and the expert stacks `ffn_gate_exps` / `ffn_up_exps`
+           [E, Fe, D], `ffn_down_exps` [E, D, Fe] (torch order; ggml's is reversed), with
+           `expert_count`, `expert_used_count`, `expert_feed_forward_length`. The format has
+           no dense layers (no `mlp_only_layers`: llama.cpp runs experts on every layer) and
+           no `norm_topk_prob`: the top-k weights are renormalised, as llama.cpp and
+           transformers' GGUF reader do. Mixtral (llama.cpp's "llama" with `expert_count`)
+           and qwen2moe are refused;
     phi3   fused `attn_qkv` (q, k, v rows) and `ffn_up` holding gate then up rows, split on
            load; a window on every layer when `attention.sliding_window` is not 0; LongRoPE
            (`rope_factors_long` / `rope_factors_short` tensors) refused;
@@ -25,7 +33,10 @@ Quantized tensors kept as in the file (`gguf_tensors(path, keep_quantized=True)`
 default for a GGUF file): a 2-D tensor in one of `ops.gguf_quant.GGUF_FORMATS` comes as a
 `RawBlocks` (its rows of blocks), which the routing above moves like an array (rows split,
 Q/K rows reordered) and `stacking.StackedParams` turns into an `ops.gguf_quant.GGUFWeight`;
-other tensors (F32 norms, F16 or other quantized formats) are dequantized to float32.
+other tensors (F32 norms, F16 or other quantized formats) are dequantized to float32, and so
+are the 3-D expert stacks and the router of a qwen3moe file, whatever their format (the
+expert matmul, `ops.linear.expert_linear`, takes no GGUF blocks): a kept load holds them in
+the load's dtype, its attention weights, embedding and head as blocks.
 
 Named `gguf_file` rather than `gguf` so that it is never mistaken for the `gguf` package.
 """
@@ -49,6 +60,7 @@ GGUF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
@@ -74,6 +86,14 @@ _GGUF_LAYER_NAMES = {
     "ffn_gate.weight": "gate_proj",
     "ffn_up.weight": "up_proj",
     "ffn_down.weight": "down_proj",
+}
+# Mixture-of-experts tensors (qwen3moe): [E, D] or [E, out, in], each transposed on its
+# last two axes into the router [D, E] or the expert stack [E, in, out] of one layer.
+_GGUF_MOE_NAMES = {
+    "ffn_gate_inp.weight": "router",
+    "ffn_gate_exps.weight": "experts_gate",
+    "ffn_up_exps.weight": "experts_up",
+    "ffn_down_exps.weight": "experts_down",
 }
 # Fused tensors -> the layer params their rows split into, in order; by architecture.
 _GGUF_FUSED = {"attn_qkv.weight": ("q_proj", "k_proj", "v_proj")}
@@ -111,18 +131,20 @@ def gguf_arch_config(reader) -> DecoderArchConfig:
     """The architecture a GGUF file's metadata describes, as its family's config class.
 
     Raises:
-        ValueError: an architecture other than those of `GGUF_ARCHITECTURES` (named), or a
-            feature the engine does not run (named): Llama 3.1 RoPE scaling, Phi-3 LongRoPE,
-            RoPE on part of each head, a RoPE scaling type other than linear.
+        ValueError: an architecture other than those of `GGUF_ARCHITECTURES` (named), a
+            mixture-of-experts file of another architecture than qwen3moe (Mixtral's "llama"
+            with `expert_count`, qwen2moe; named), or a feature the engine does not run
+            (named): Llama 3.1 RoPE scaling, Phi-3 LongRoPE, RoPE on part of each head, a RoPE
+            scaling type other than linear.
     """
     arch = _field(reader, "general.architecture")
     hf_arch = GGUF_ARCHITECTURES.get(arch)
-    if arch in ("qwen3moe", "qwen2moe") or _field(reader, f"{arch}.expert_count", 0):
-        # llama.cpp writes Mixtral as "llama" with expert_count; transformers reads qwen3moe
+    if arch == "qwen2moe" or (arch != "qwen3moe" and _field(reader, f"{arch}.expert_count", 0)):
+        # llama.cpp writes Mixtral as "llama" with expert_count
         raise ValueError(
-            f"GGUF mixture-of-experts files ({arch!r} with experts) are not supported yet; "
-            "load the Hugging Face safetensors folder (MixtralForCausalLM, "
-            "Qwen3MoeForCausalLM) instead"
+            f"GGUF mixture-of-experts files of architecture {arch!r} are not supported "
+            "(of GGUF MoE files, only qwen3moe); load the Hugging Face safetensors folder "
+            "(e.g. MixtralForCausalLM) instead"
         )
     if hf_arch is None:
         raise ValueError(
@@ -160,7 +182,7 @@ def gguf_arch_config(reader) -> DecoderArchConfig:
         architecture=hf_arch,
         vocab_size=int(key("vocab_size", int(embd.shape[1]))),
         hidden_size=hidden,
-        intermediate_size=int(key("feed_forward_length")),
+        intermediate_size=int(key("feed_forward_length") or key("expert_feed_forward_length")),
         num_hidden_layers=L,
         num_attention_heads=heads,
         num_key_value_heads=int(key("attention.head_count_kv", heads)),
@@ -178,6 +200,8 @@ def gguf_arch_config(reader) -> DecoderArchConfig:
     )
     if arch in ("gemma2", "gemma3"):
         fields.update(_gemma_fields(arch, key, L, hidden // heads, head_dim))
+    if arch == "qwen3moe":
+        fields.update(_qwen3moe_fields(reader, key))
     return registry.get_model(hf_arch).ArchConfig(**fields)
 
 
@@ -200,6 +224,26 @@ def _gemma_fields(arch: str, key, num_layers: int, hidden_per_head: int, head_di
     if arch == "gemma3":  # rope.freq_base is the global layers'; the local ones' 10000
         fields.update(rope_theta=_f32(key("rope.freq_base", 1_000_000.0)), rope_local_theta=10000.0)
     return fields
+
+
+def _qwen3moe_fields(reader, key) -> dict:
+    """The mixture-of-experts fields of a qwen3moe file: experts on every layer, the top-k
+    weights renormalised (llama.cpp's qwen3moe graph; transformers' GGUF default), the expert
+    MLP size from `expert_feed_forward_length`, else from the `ffn_gate_exps` stack."""
+    size = key("expert_feed_forward_length")
+    if not size:  # ggml's shape of [E, Fe, D]: (D, Fe, E)
+        gate = [t for t in reader.tensors if t.name == "blk.0.ffn_gate_exps.weight"]
+        if not gate:
+            raise ValueError("GGUF qwen3moe file without blk.0.ffn_gate_exps.weight")
+        size = gate[0].shape[1]
+    return dict(
+        num_experts=int(key("expert_count")),
+        num_experts_per_tok=int(key("expert_used_count")),
+        moe_intermediate_size=int(size),
+        norm_topk_prob=True,
+        sparse_layers=None,
+        qk_norm=True,
+    )
 
 
 def _cap(value) -> float | None:
@@ -274,7 +318,8 @@ def gguf_tensors(
     path: str, keep_quantized: bool = False
 ) -> Iterator[tuple[str, np.ndarray | RawBlocks]]:
     """(name, float32 array) for every tensor of the file, dequantized one at a time; with
-    `keep_quantized`, a 2-D tensor in one of GGUF_FORMATS comes as a `RawBlocks` instead."""
+    `keep_quantized`, a 2-D tensor in one of GGUF_FORMATS comes as a `RawBlocks` instead
+    (3-D tensors, qwen3moe's expert stacks [E, out, in], always come as float32)."""
     from gguf.quants import dequantize
 
     reader = gguf_reader(path)
@@ -289,9 +334,19 @@ def gguf_tensors(
 def assign_gguf(stack: StackedParams, cfg: DecoderArchConfig, name: str, value) -> None:
     """Routes one GGUF tensor ([out, in] like torch once dequantized) to its place in the
     pytree: fused tensors split, llama's Q/K rows put back in Hugging Face's order, Gemma's
-    norms less the 1 its converter adds."""
+    norms less the 1 its converter adds, a qwen3moe router [E, D] or expert stack
+    [E, out, in] transposed on its last two axes (a router kept in blocks dequantized).
+
+    Raises:
+        ValueError: a tensor name this architecture has no place for, or a wrong shape.
+    """
     if m := _GGUF_LAYER.match(name):
         layer, suffix = int(m.group(1)), m.group(2)
+        if suffix in _GGUF_MOE_NAMES:
+            if isinstance(value, RawBlocks):
+                value = value.dequantized()
+            stack.set_layer(_GGUF_MOE_NAMES[suffix], layer, np.swapaxes(value, -1, -2), name)
+            return
         fused = _GGUF_FUSED_BY_ARCH.get(cfg.architecture, {}).get(suffix) or _GGUF_FUSED.get(suffix)
         if fused is not None:
             if isinstance(value, RawBlocks):  # rows split as they are, blocks untouched
