@@ -17,6 +17,7 @@ from pagedjax.ops.sampling import (
     apply_min_p,
     apply_penalties,
     apply_top_k_top_p,
+    argmax,
     count_sampled,
     init_sampling_state,
     init_state_rows,
@@ -116,6 +117,24 @@ def _sample_full(logits, sm, state, k=5):
 def _sample(logits, sm, state=None):
     out = _sample_full(logits, sm, state if state is not None else _state(*logits.shape))
     return out.token_ids, out.logprobs
+
+
+def test_argmax_is_numpys_first_maximum():
+    """Ties go to the first index, an all -inf row to 0, a row with NaN to its first NaN
+    (as `jnp.argmax`); random rows of the vocabulary's width agree with NumPy."""
+    inf, nan = np.inf, np.nan
+    x = np.array(
+        [[1, 3, 3, 2], [-inf] * 4, [1, nan, 5, nan], [0, 0, 0, 0], [-1, -inf, -0.5, -0.5]],
+        np.float32,
+    )
+    np.testing.assert_array_equal(np.asarray(argmax(jnp.asarray(x))), [1, 0, 1, 0, 2])
+    np.testing.assert_array_equal(
+        np.asarray(argmax(jnp.asarray(x))), np.asarray(jnp.argmax(jnp.asarray(x), -1))
+    )
+    r = np.random.default_rng(0).standard_normal((3, 5, 49152)).astype(np.float32)
+    got = jax.jit(argmax)(jnp.asarray(r))
+    assert got.dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(got), np.argmax(r, -1))
 
 
 def test_greedy_rows_and_logprobs():

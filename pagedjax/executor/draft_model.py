@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from pagedjax.config import EngineConfig
 from pagedjax.executor.input_batch import PackedLayout
 from pagedjax.models import loader, registry
-from pagedjax.ops import cpu_gguf, cpu_linear
+from pagedjax.ops import cpu_gguf, cpu_linear, sampling
 from pagedjax.ops.attention import AttentionMetadata
 from pagedjax.ops.kv_cache import init_kv_cache, kv_cache_bytes_per_block, kv_cache_shape
 from pagedjax.sharding.rules import ShardingPlan
@@ -136,7 +136,7 @@ def propose(
             kv_chunk_pages=chunk_pages,
         )
         h, kv = model.forward(params, kv, x, pos, dmd, cfg=cfg, attention_backend=backend)
-        nxt = jnp.argmax(model.compute_logits(params, h, cfg=cfg), axis=-1).astype(jnp.int32)
+        nxt = sampling.argmax(model.compute_logits(params, h, cfg=cfg))
         return kv, nxt, out.at[:, j].set(nxt)
 
     out = jnp.zeros((S, K), jnp.int32)

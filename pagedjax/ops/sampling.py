@@ -215,6 +215,25 @@ def _process(
     return jax.lax.cond(any_penalty, penalize, lambda x: x, x)
 
 
+def argmax(x: jax.Array) -> jax.Array:
+    """`jnp.argmax(x, axis=-1)` as int32, the same index (the first maximum; the first NaN
+    where a row has one), in two plain reductions: the row's max, then the least index that
+    holds it. XLA's CPU backend lowers `jnp.argmax` to a variadic (value, index) reduce that
+    it does not vectorize: 21.7 ms against 4.9 ms here on [64, 49152] float32 logits (1.98
+    against 0.72 ms on [8, 49152]; 2 CPU cores).
+
+    Args:
+        x: [..., V] float.
+
+    Returns:
+        [...] int32 in [0, V).
+    """
+    V = x.shape[-1]
+    top = jnp.max(x, axis=-1, keepdims=True)
+    iota = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    return jnp.min(jnp.where((x == top) | jnp.isnan(x), iota, V), axis=-1)
+
+
 def sample(
     logits: jax.Array,
     sm: SamplingMetadata,
@@ -241,7 +260,7 @@ def sample(
         A `SamplerOutput`.
     """
     x = _process(logits, sm, state, prior_tokens)
-    greedy_ids = jnp.argmax(x, axis=-1).astype(jnp.int32)
+    greedy_ids = argmax(x)
     greedy = sm.temperature < SAMPLING_EPS
 
     def random_ids():
@@ -256,7 +275,7 @@ def sample(
         )
         keys = _row_keys(sm.seed_lo, sm.seed_hi, sm.token_index)
         gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (logits.shape[-1],)))(keys)
-        drawn = jnp.argmax(scaled + gumbel, axis=-1).astype(jnp.int32)
+        drawn = argmax(scaled + gumbel)
         return jnp.where(greedy, greedy_ids, drawn)
 
     ids = jax.lax.cond(jnp.all(greedy), lambda: greedy_ids, random_ids)
