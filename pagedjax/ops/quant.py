@@ -62,6 +62,10 @@ class QuantizedWeight:
         qweight, scales, zeros, perm, input_scale: arrays (None where a method has none).
         method: one of METHODS (static: part of the pytree structure).
         in_features: the unpacked input size `in` (static).
+        native: False (the default): `quantized_matmul` (XLA) on the layer's slice; True: a
+            stack [L, ...] read in place by the native CPU kernel in small steps
+            (`ops.cpu_quant`, marked by `cpu_quant.use_native` under `linear_backend="cpu"`;
+            same layout, static).
     """
 
     qweight: jax.Array
@@ -71,6 +75,7 @@ class QuantizedWeight:
     input_scale: jax.Array | None = None
     method: str = struct.field(pytree_node=False, default="int8")
     in_features: int = struct.field(pytree_node=False, default=0)
+    native: bool = struct.field(pytree_node=False, default=False)
 
     @property
     def shape(self) -> tuple[int, ...]:
