@@ -2,7 +2,9 @@
 
 Every linear layer of the model calls `ops.linear.linear(x, w)`, which hands a
 `QuantizedWeight` to `quantized_matmul` here; a fused GPU kernel replaces a method in
-`quantized_matmul`, and nowhere else. This module imports no other weight kind.
+`quantized_matmul`, and nowhere else. On CPU (`linear_backend="cpu"`) int8 and AWQ / GPTQ
+stacks marked `native` go to the native kernel of `ops.cpu_quant` instead, in steps of up to
+128 tokens. This module imports no other weight kind.
 
 Methods (vLLM's `quantization=` values and meanings):
     "int8"  weight-only int8: symmetric per-output-channel scales, activations stay in the
