@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from pagedjax.config import EngineConfig
 from pagedjax.executor.input_batch import PackedLayout
 from pagedjax.models import loader, registry
-from pagedjax.ops import cpu_gguf, cpu_linear, sampling
+from pagedjax.ops import cpu_gguf, cpu_linear, cpu_quant, sampling
 from pagedjax.ops.attention import AttentionMetadata
 from pagedjax.ops.kv_cache import init_kv_cache, kv_cache_bytes_per_block, kv_cache_shape
 from pagedjax.sharding.rules import ShardingPlan
@@ -53,7 +53,7 @@ def load_draft(config: EngineConfig, mesh) -> tuple[dict[str, Any], ShardingPlan
         quantization=mc.quantization,
     )
     if mc.linear_backend == "cpu":  # as the target's (`executor.model_loading.load_model`)
-        params = cpu_gguf.use_native(cpu_linear.pack_params(params))
+        params = cpu_quant.use_native(cpu_gguf.use_native(cpu_linear.pack_params(params)))
     return params, plan
 
 

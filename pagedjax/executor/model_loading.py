@@ -5,7 +5,8 @@
 its devices once, as it is read (`models.loader.load_params` with the plan's shardings). With
 `linear_backend="cpu"` the float32 linear weights are then pre-packed for the native matmul,
 and GGUF weights kept quantized (`quantization="gguf"`, read from the file without a
-conversion) are marked for the native GGUF kernel (`ops.cpu_gguf`).
+conversion) are marked for the native GGUF kernel (`ops.cpu_gguf`), int8 / AWQ / GPTQ weights
+for the native quantized kernel (`ops.cpu_quant`).
 
 Pipeline stages of unequal size (`sharding.stages`): the stacks are read as the model's L
 rows (whole on every stage where P does not divide L), then padded to the stage layout and
@@ -23,7 +24,7 @@ import jax
 
 from pagedjax.config import EngineConfig
 from pagedjax.models import loader, registry
-from pagedjax.ops import cpu_gguf, cpu_kernels, cpu_linear
+from pagedjax.ops import cpu_gguf, cpu_kernels, cpu_linear, cpu_quant
 from pagedjax.sharding.mesh import device_grid, replica_mesh
 from pagedjax.sharding.pipeline import pad_stage_params
 from pagedjax.sharding.rules import ShardingPlan
@@ -99,6 +100,7 @@ def load_model(config: EngineConfig, devices=None) -> LoadedModel:
     if mc.linear_backend == "cpu":  # the native matmul's panel layout, packed once
         max_rows = 0 if mc.batch_invariant else cpu_linear.MAX_TOKENS
         params = cpu_gguf.use_native(cpu_linear.pack_params(params, max_rows))
+        params = cpu_quant.use_native(params)  # int8 / AWQ / GPTQ stacks read in place
     return LoadedModel(tokenizer, plan, params, time.perf_counter() - t0)
 
 

@@ -1,13 +1,14 @@
 """The native CPU kernels' library: C++ XLA FFI custom calls, built on first use, per ISA path.
 
-Four kernels live in `csrc/` and are compiled into one shared library:
+Five kernels live in `csrc/` and are compiled into one shared library:
     paged_attention_cpu.cc  ragged paged attention (`cpu_attention.paged_attention`)
     linear_cpu.cc           float32 x @ W[layer] over a stacked weight (`cpu_linear.matmul`)
     gguf_linear_cpu.cc      x @ W[layer] over GGUF quantized blocks (`cpu_gguf.matmul`)
+    quant_linear_cpu.cc     x @ W[layer] over int8 / AWQ / GPTQ int4 weights (`cpu_quant.matmul`)
     kv_write_cpu.cc         the new K/V rows into their cache slots, in place
                             (`kv_cache.write_kv(..., native=True)`)
 The first and the last are the "cpu" attention backend (`attention_backend="cpu"`), the
-other two the "cpu" linear backend (`linear_backend="cpu"`); "auto" picks both on one CPU
+other three the "cpu" linear backend (`linear_backend="cpu"`); "auto" picks both on one CPU
 device. A new kernel
 is one more file in SOURCES and one more entry in TARGETS.
 
@@ -53,6 +54,7 @@ SOURCES = (
     CSRC / "paged_attention_cpu.cc",
     CSRC / "linear_cpu.cc",
     CSRC / "gguf_linear_cpu.cc",
+    CSRC / "quant_linear_cpu.cc",
     CSRC / "kv_write_cpu.cc",
 )
 HEADERS = (CSRC / "simd.h",)  # included by the sources: part of the cache key
@@ -61,6 +63,8 @@ TARGETS = {
     "pagedjax_paged_attention_cpu": "PagedAttentionCpu",
     "pagedjax_linear_cpu": "LinearCpu",
     "pagedjax_gguf_linear_cpu": "GgufLinearCpu",
+    "pagedjax_quant_int8_linear_cpu": "QuantInt8LinearCpu",
+    "pagedjax_quant_int4_linear_cpu": "QuantInt4LinearCpu",
     "pagedjax_kv_write_cpu": "KvWriteCpu",
 }
 CXX_FLAGS = (

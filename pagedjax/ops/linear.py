@@ -5,7 +5,11 @@ never looks at how a weight is stored; it calls `linear(x, w)` and this module p
 matmul. Weight kinds:
     plain      a float array [in, out] (the model dtype): XLA's dot, x @ w.
     quantized  an `ops.quant.QuantizedWeight` of one layer (int8, w8a8, fp8, awq / gptq
-               int4; layouts in `ops.quant`): `quant.quantized_matmul`.
+               int4; layouts in `ops.quant`): `quant.quantized_matmul`; a stack marked
+               `native` (int8, awq / gptq: `ops.cpu_quant.use_native`, the engine's
+               `linear_backend="cpu"`) is read in place as a `LayerView` by the native kernel
+               (`ops.cpu_quant.matmul`) in steps of up to `cpu_quant.MAX_TOKENS` tokens, else
+               its layer is sliced and goes to `quantized_matmul`.
     packed     float32 weights pre-packed in the native CPU matmul's panel layout
                (`ops.cpu_linear.PackedWeight`, `cpu_linear.pack_params`, the engine's
                `linear_backend="cpu"`), either a `LayerView` (layer i of a stacked
@@ -37,7 +41,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from pagedjax.ops import cpu_gguf, cpu_linear
+from pagedjax.ops import cpu_gguf, cpu_linear, cpu_quant
 from pagedjax.ops.gguf_quant import GGUFWeight, matmul_xla
 from pagedjax.ops.quant import QuantizedWeight, quantized_matmul
 
@@ -49,12 +53,13 @@ class LayerView:
     """Layer `index` of a stacked weight, read in place (a pytree).
 
     Attributes:
-        stack: a `cpu_linear.PackedWeight` of float32 [L, in, out], or a native
-            `gguf_quant.GGUFWeight` of [L, out, row_bytes] blocks.
+        stack: a `cpu_linear.PackedWeight` of float32 [L, in, out], a native
+            `gguf_quant.GGUFWeight` of [L, out, row_bytes] blocks, or a native
+            `quant.QuantizedWeight` stack (logical shape [L, in, out]).
         index: scalar int32 (traced or not), the layer in [0, L).
     """
 
-    stack: cpu_linear.PackedWeight | GGUFWeight
+    stack: cpu_linear.PackedWeight | GGUFWeight | QuantizedWeight
     index: jax.Array
 
     @property
@@ -87,6 +92,8 @@ def linear(x: jax.Array, w: Weight, *, num_rows: jax.Array | int | None = None) 
     """
     if isinstance(w, QuantizedWeight):
         return quantized_matmul(x, w)
+    if isinstance(w, LayerView) and isinstance(w.stack, QuantizedWeight):
+        return _quant_linear(x, w, num_rows)
     if isinstance(w, GGUFWeight) or (isinstance(w, LayerView) and isinstance(w.stack, GGUFWeight)):
         return _gguf_linear(x, w, num_rows)
     if isinstance(w, LayerView):
@@ -125,11 +132,22 @@ def _gguf_linear(x: jax.Array, w: GGUFWeight | LayerView, num_rows) -> jax.Array
     return matmul_xla(x, stack)
 
 
+def _quant_linear(x: jax.Array, w: LayerView, num_rows) -> jax.Array:
+    """A `LayerView` of a native `QuantizedWeight` stack: the native kernel in a step of up to
+    `cpu_quant.MAX_TOKENS` rows, else the layer sliced and `quantized_matmul` (XLA)."""
+    if x.shape[0] <= cpu_quant.MAX_TOKENS:
+        return cpu_quant.matmul(x, w.stack, w.index, num_rows).astype(x.dtype)
+    layer = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, w.index, 0, False), w.stack)
+    return quantized_matmul(x, layer.replace(native=False))
+
+
 def reads_in_place(w: Weight) -> bool:
     """True for a stacked weight kind that `linear` reads layer by layer in place (a
-    `cpu_linear.PackedWeight` of [L, in, out], a native `GGUFWeight` stack), which `lax.scan`
-    must not slice."""
-    return isinstance(w, cpu_linear.PackedWeight) or (isinstance(w, GGUFWeight) and w.native)
+    `cpu_linear.PackedWeight` of [L, in, out], a native `GGUFWeight` or `QuantizedWeight`
+    stack), which `lax.scan` must not slice."""
+    if isinstance(w, GGUFWeight | QuantizedWeight):
+        return w.native
+    return isinstance(w, cpu_linear.PackedWeight)
 
 
 def split_layers(layers: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

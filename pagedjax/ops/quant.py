@@ -2,7 +2,9 @@
 
 Every linear layer of the model calls `ops.linear.linear(x, w)`, which hands a
 `QuantizedWeight` to `quantized_matmul` here; a fused GPU kernel replaces a method in
-`quantized_matmul`, and nowhere else. This module imports no other weight kind.
+`quantized_matmul`, and nowhere else. On CPU (`linear_backend="cpu"`) int8 and AWQ / GPTQ
+stacks marked `native` go to the native kernel of `ops.cpu_quant` instead, in steps of up to
+128 tokens. This module imports no other weight kind.
 
 Methods (vLLM's `quantization=` values and meanings):
     "int8"  weight-only int8: symmetric per-output-channel scales, activations stay in the
@@ -62,6 +64,10 @@ class QuantizedWeight:
         qweight, scales, zeros, perm, input_scale: arrays (None where a method has none).
         method: one of METHODS (static: part of the pytree structure).
         in_features: the unpacked input size `in` (static).
+        native: False (the default): `quantized_matmul` (XLA) on the layer's slice; True: a
+            stack [L, ...] read in place by the native CPU kernel in small steps
+            (`ops.cpu_quant`, marked by `cpu_quant.use_native` under `linear_backend="cpu"`;
+            same layout, static).
     """
 
     qweight: jax.Array
@@ -71,6 +77,7 @@ class QuantizedWeight:
     input_scale: jax.Array | None = None
     method: str = struct.field(pytree_node=False, default="int8")
     in_features: int = struct.field(pytree_node=False, default=0)
+    native: bool = struct.field(pytree_node=False, default=False)
 
     @property
     def shape(self) -> tuple[int, ...]:
