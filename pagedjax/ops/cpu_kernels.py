@@ -57,7 +57,7 @@ SOURCES = (
     CSRC / "quant_linear_cpu.cc",
     CSRC / "kv_write_cpu.cc",
 )
-HEADERS = (CSRC / "simd.h",)  # included by the sources: part of the cache key
+HEADERS = (CSRC / "simd.h", CSRC / "parallel.h")  # included by the sources: part of the cache key
 # FFI target name -> the handler symbol the library exports.
 TARGETS = {
     "pagedjax_paged_attention_cpu": "PagedAttentionCpu",

@@ -31,15 +31,12 @@
 
 #include <algorithm>
 #include <array>
-#include <atomic>
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <mutex>
 #include <utility>
 #include <vector>
 
+#include "parallel.h"
 #include "simd.h"
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -452,29 +449,6 @@ void RunItem(const Problem& p, int64_t n0, int64_t n1, std::vector<float>& buf) 
   }
 }
 
-// Row ranges handed out by an atomic counter to the calling thread and to tasks on XLA's
-// pool; a task that starts after every item is taken exits without touching the buffers.
-struct Shared {
-  Problem p;
-  int64_t items = 0;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-  std::mutex mu;
-  std::condition_variable cv;
-};
-
-void Drain(Shared& sh) {
-  std::vector<float> buf;
-  for (int64_t i; (i = sh.next.fetch_add(1)) < sh.items;) {
-    const int64_t n0 = i * sh.p.item_rows;
-    RunItem(sh.p, n0, std::min(sh.p.N, n0 + sh.p.item_rows), buf);
-    if (sh.done.fetch_add(1) + 1 == sh.items) {
-      std::lock_guard<std::mutex> lock(sh.mu);
-      sh.cv.notify_all();
-    }
-  }
-}
-
 ffi::Error GgufLinear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
                       ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> rows,
                       ffi::ResultBuffer<ffi::F32> y, int64_t qtype, int64_t block_values,
@@ -484,8 +458,7 @@ ffi::Error GgufLinear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   if (xd.size() != 2 || wd.size() != 3) return ffi::Error::InvalidArgument("gguf linear: bad ranks");
   const int64_t l = layer.typed_data()[0];
   if (l < 0 || l >= wd[0]) return ffi::Error::InvalidArgument("gguf linear: layer out of range");
-  auto shared = std::make_shared<Shared>();
-  Problem& p = shared->p;
+  Problem p;
   const int64_t total_rows = xd[0];
   p.M = std::clamp<int64_t>(rows.typed_data()[0], 0, total_rows);
   p.K = xd[1];
@@ -505,12 +478,12 @@ ffi::Error GgufLinear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
   // About eight items per thread (load balance), 16 to 64 rows each (a multiple of the panel).
   p.item_rows = 16 * std::clamp<int64_t>(p.N / (16 * 8 * threads), 1, 4);
-  shared->items = (p.N + p.item_rows - 1) / p.item_rows;
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), shared->items) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([shared] { Drain(*shared); });
-  Drain(*shared);
-  std::unique_lock<std::mutex> lock(shared->mu);
-  shared->cv.wait(lock, [&] { return shared->done.load() == shared->items; });
+  const int64_t items = (p.N + p.item_rows - 1) / p.item_rows;
+  pagedjax::ParallelFor(pool, items, [&p](int64_t i) {
+    thread_local std::vector<float> buf;
+    const int64_t n0 = i * p.item_rows;
+    RunItem(p, n0, std::min(p.N, n0 + p.item_rows), buf);
+  });
   return ffi::Error::Success();
 }
 

@@ -31,15 +31,13 @@
 
 #include <algorithm>
 #include <array>
-#include <atomic>
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <memory>
-#include <mutex>
 #include <utility>
 #include <vector>
 
+#include "parallel.h"
 #include "simd.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -166,36 +164,7 @@ void RunItem(const Problem& p, int64_t m_lo, int64_t m_hi, int64_t j0, int64_t c
   }
 }
 
-// fn(i) for i in [0, n), indices handed out by an atomic counter to the calling thread and
-// to tasks on XLA's pool. A task that starts after every index is taken exits without
-// touching anything, so the caller never waits on a task that has not started (a pool of
-// one thread cannot deadlock).
-template <typename Fn>
-void ParallelFor(ffi::ThreadPool& pool, int64_t n, const Fn& fn) {
-  struct State {
-    std::atomic<int64_t> next{0}, done{0};
-    std::mutex mu;
-    std::condition_variable cv;
-  };
-  auto st = std::make_shared<State>();
-  auto drain = [st, n, &fn] {
-    for (int64_t i; (i = st->next.fetch_add(1)) < n;) {
-      fn(i);
-      if (st->done.fetch_add(1) + 1 == n) {
-        std::lock_guard<std::mutex> lock(st->mu);
-        st->cv.notify_all();
-      }
-    }
-  };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), n) - 1;
-  for (int64_t i = 0; i < helpers; ++i) {
-    auto task = drain;
-    pool.Schedule(std::move(task));
-  }
-  drain();
-  std::unique_lock<std::mutex> lock(st->mu);
-  st->cv.wait(lock, [&] { return st->done.load() == n; });
-}
+using pagedjax::ParallelFor;
 
 ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                   ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> rows,

@@ -30,15 +30,13 @@
 // Built on first use by pagedjax/ops/cpu_kernels.py (g++ -O3, the flags of an ISA path).
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <memory>
-#include <mutex>
 #include <vector>
 
+#include "parallel.h"
 #include "simd.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -297,29 +295,6 @@ ItemFn PickItemFn(int64_t H) {
   }
 }
 
-// Items handed out by an atomic counter to the calling thread and to tasks on XLA's pool.
-// A task that starts after all items are taken exits without touching the buffers, so the
-// caller never waits on a task that has not started (a pool of one thread cannot deadlock).
-struct Shared {
-  std::vector<Item> items;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-  std::mutex mu;
-  std::condition_variable cv;
-};
-
-void Drain(const Problem& p, ItemFn run, Shared& sh) {
-  thread_local std::vector<float> scratch;
-  const int64_t total = sh.items.size();
-  for (int64_t i; (i = sh.next.fetch_add(1)) < total;) {
-    run(p, sh.items[i], scratch);
-    if (sh.done.fetch_add(1) + 1 == total) {
-      std::lock_guard<std::mutex> lock(sh.mu);
-      sh.cv.notify_all();
-    }
-  }
-}
-
 bool IsFloat8(ffi::DataType t) {
   return t == ffi::DataType::F8E4M3FN || t == ffi::DataType::F8E5M2;
 }
@@ -371,7 +346,7 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
   // Rows outside every sequence's queries (padding tokens) are zero.
   const int64_t NH = p.N * p.H;
   int64_t covered = 0;
-  auto shared = std::make_shared<Shared>();
+  std::vector<Item> items;
   for (int64_t s = 0; s < p.S; ++s) {
     const int64_t lo = std::clamp<int64_t>(p.qsl[s], covered, p.T);
     const int64_t hi = std::clamp<int64_t>(p.qsl[s + 1], lo, p.T);
@@ -379,17 +354,15 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
     if (lo != p.qsl[s] || hi != p.qsl[s + 1])
       return ffi::Error::InvalidArgument("paged attention: query_start_loc out of order");
     for (int64_t q0 = 0; q0 < hi - lo; q0 += query_tile)
-      shared->items.push_back({s, q0, std::min(query_tile, hi - lo - q0)});
+      items.push_back({s, q0, std::min(query_tile, hi - lo - q0)});
     covered = hi;
   }
   std::fill(p.out + covered * NH, p.out + p.T * NH, 0.0f);
-  if (shared->items.empty()) return ffi::Error::Success();
   const ItemFn run = PickItemFn(p.H);
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), shared->items.size()) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([shared, p, run] { Drain(p, run, *shared); });
-  Drain(p, run, *shared);
-  std::unique_lock<std::mutex> lock(shared->mu);
-  shared->cv.wait(lock, [&] { return shared->done.load() == (int64_t)shared->items.size(); });
+  pagedjax::ParallelFor(pool, int64_t(items.size()), [&](int64_t i) {
+    thread_local std::vector<float> scratch;
+    run(p, items[i], scratch);
+  });
   return ffi::Error::Success();
 }
 

@@ -28,15 +28,13 @@
 
 #include <algorithm>
 #include <array>
-#include <atomic>
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <memory>
-#include <mutex>
 #include <utility>
 #include <vector>
 
+#include "parallel.h"
 #include "simd.h"
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -242,43 +240,18 @@ void RunPanel(const Problem& p, int64_t n, std::vector<float>& buf) {
       for (int c = 0; c < cols; ++c) p.y[m * p.N + n + c] *= p.s[n + c];
 }
 
-// Panel ranges handed out by an atomic counter to the calling thread and to tasks on XLA's
-// pool; a task that starts after every item is taken exits without touching the buffers.
-struct Shared {
-  Problem p;
-  bool int4 = false;
-  int64_t items = 0;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-  std::mutex mu;
-  std::condition_variable cv;
-};
-
-void Drain(Shared& sh) {
-  std::vector<float> buf;
-  for (int64_t i; (i = sh.next.fetch_add(1)) < sh.items;) {
-    const int64_t n0 = i * sh.p.item_cols, n1 = std::min(sh.p.N, n0 + sh.p.item_cols);
-    for (int64_t n = n0; n < n1; n += PW) (sh.int4 ? RunPanel<true> : RunPanel<false>)(sh.p, n, buf);
-    if (sh.done.fetch_add(1) + 1 == sh.items) {
-      std::lock_guard<std::mutex> lock(sh.mu);
-      sh.cv.notify_all();
-    }
-  }
-}
-
-ffi::Error Run(ffi::ThreadPool& pool, std::shared_ptr<Shared> shared, int64_t total_rows) {
-  Problem& p = shared->p;
+ffi::Error Run(ffi::ThreadPool& pool, Problem& p, bool int4, int64_t total_rows) {
   std::fill(p.y + p.M * p.N, p.y + total_rows * p.N, 0.0f);  // padding rows
   if (p.M == 0 || p.N == 0) return ffi::Error::Success();
   const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
   // About four items per thread (load balance), one to four panels each.
   p.item_cols = PW * std::clamp<int64_t>(p.N / (PW * 4 * threads), 1, 4);
-  shared->items = (p.N + p.item_cols - 1) / p.item_cols;
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), shared->items) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([shared] { Drain(*shared); });
-  Drain(*shared);
-  std::unique_lock<std::mutex> lock(shared->mu);
-  shared->cv.wait(lock, [&] { return shared->done.load() == shared->items; });
+  const int64_t items = (p.N + p.item_cols - 1) / p.item_cols;
+  pagedjax::ParallelFor(pool, items, [&p, int4](int64_t i) {
+    thread_local std::vector<float> buf;
+    const int64_t n0 = i * p.item_cols, n1 = std::min(p.N, n0 + p.item_cols);
+    for (int64_t n = n0; n < n1; n += PW) (int4 ? RunPanel<true> : RunPanel<false>)(p, n, buf);
+  });
   return ffi::Error::Success();
 }
 
@@ -303,8 +276,7 @@ ffi::Error QuantInt8Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
   auto qd = q.dimensions();
   auto sd = s.dimensions();
   if (qd.size() != 3 || sd.size() != 2) return ffi::Error::InvalidArgument("int8 linear: bad ranks");
-  auto shared = std::make_shared<Shared>();
-  Problem& p = shared->p;
+  Problem p;
   const int64_t l = layer.typed_data()[0];
   if (const char* e = Setup(p, x, qd[0], l, rows.typed_data()[0], y))
     return ffi::Error::InvalidArgument(e);
@@ -314,7 +286,7 @@ ffi::Error QuantInt8Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
   p.s = s.typed_data() + l * p.N;
   p.z = nullptr;
   p.gs = p.K;
-  return Run(pool, shared, x.dimensions()[0]);
+  return Run(pool, p, false, x.dimensions()[0]);
 }
 
 ffi::Error QuantInt4Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> q,
@@ -326,9 +298,7 @@ ffi::Error QuantInt4Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
   auto zd = z.dimensions();
   if (qd.size() != 3 || sd.size() != 3 || zd.size() != 3)
     return ffi::Error::InvalidArgument("int4 linear: bad ranks");
-  auto shared = std::make_shared<Shared>();
-  shared->int4 = true;
-  Problem& p = shared->p;
+  Problem p;
   const int64_t l = layer.typed_data()[0];
   if (const char* e = Setup(p, x, qd[0], l, rows.typed_data()[0], y))
     return ffi::Error::InvalidArgument(e);
@@ -340,7 +310,7 @@ ffi::Error QuantInt4Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
   p.s = s.typed_data() + l * G * p.N;
   p.z = z.typed_data() + l * G * p.N;
   p.gs = p.K / G;
-  return Run(pool, shared, x.dimensions()[0]);
+  return Run(pool, p, true, x.dimensions()[0]);
 }
 
 }  // namespace
