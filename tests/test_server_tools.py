@@ -3,167 +3,36 @@ on a stub engine that records each request's SamplingParams and answers with a s
 text (streamed a few characters per output): what constraint reaches the engine, how the
 reply is read into `message.tool_calls` (whole and streamed, through the `openai` client,
 including `chat.completions.parse` with a pydantic model), the chat template's rendering of
-tools and tool-call history, and the 400s. Whether the engine enforces the constraint is
-tested where the engine is (the end-to-end tests with the tiny model)."""
+tools and tool-call history (the 400s: `test_server_tool_errors.py`). Whether the engine
+enforces the constraint is tested where the engine is (the end-to-end tests with the tiny model)."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
-from types import SimpleNamespace
 
-import httpx
-import openai
 import pytest
 from pydantic import BaseModel
 
-from pagedjax import cli
-from pagedjax.engine.async_llm import RequestStream
-from pagedjax.errors import InvalidInputError
-from pagedjax.outputs import CompletionOutput, RequestOutput
-from pagedjax.sampling_params import RequestOutputKind
-from pagedjax.server.api_server import build_app
-from pagedjax.server.cli_args import check_serve_args
 from pagedjax.server.constraints import tool_choice_schema
 from pagedjax.server.protocol_tools import ChatCompletionTool
-from tests.conftest import make_tokenizer
-
-CHAT, COMP = "/v1/chat/completions", "/v1/completions"
-MSG = [{"role": "user", "content": "Weather in Paris?"}]
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Current weather of a city.",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
-            "required": ["city"],
-        },
-    },
-}
-NOW = {"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}}
-TOOLS = [WEATHER, NOW]
-
-# A Hermes / Qwen2.5-style template (written for this test) that renders tools, assistant
-# tool calls and tool results.
-TOOL_TEMPLATE = """
-{%- if tools %}<|im_start|>system
-Tools:
-<tools>
-{%- for t in tools %}
-{{ t | tojson }}
-{%- endfor %}
-</tools><|im_end|>
-{% endif %}
-{%- for m in messages %}
-{%- if m.role == 'tool' %}<|im_start|>user
-<tool_response id={{ m.tool_call_id }}>{{ m.content }}</tool_response><|im_end|>
-{% elif m.role == 'assistant' and m.tool_calls %}<|im_start|>assistant
-{{ m.content }}
-{%- for c in m.tool_calls %}<tool_call>{{ {'name': c.function.name,
- 'arguments': c.function.arguments} | tojson }}</tool_call>{% endfor %}<|im_end|>
-{% else %}<|im_start|>{{ m.role }}
-{{ m.content }}<|im_end|>
-{% endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}<|im_start|>assistant
-{% endif %}"""
-
-
-class StubEngine:
-    """Records (prompt ids, SamplingParams) of each request and answers every choice with
-    `self.reply` (DELTA outputs of 3 characters, or one FINAL_ONLY output), finished with
-    `self.finish_reason`. A constraint
-    whose regex is "(" or whose schema has "type": "nonsense" is refused as the engine
-    refuses what does not compile."""
-
-    def __init__(self, tokenizer):
-        arch = SimpleNamespace(vocab_size=320)
-        self.model_config = SimpleNamespace(
-            served_model_name="stub", max_model_len=4096, model="stub", arch=arch
-        )
-        self.tokenizer = tokenizer
-        self.errored = False
-        self.requests: list[tuple[list[int], object]] = []
-        self.reply = ""
-        self.finish_reason = "stop"
-
-    def get_tokenizer(self):
-        return self.tokenizer
-
-    def shutdown(self):
-        pass
-
-    def abort(self, request_id):
-        pass
-
-    async def add_requests(self, requests, priority=0, check_max_tokens=False):
-        streams = []
-        for rid, prompt, params in requests:
-            so = params.structured_outputs
-            if so is not None and (so.regex == "(" or "nonsense" in json.dumps(so.json)):
-                raise InvalidInputError("the constraint does not compile", "structured_outputs")
-            self.requests.append((prompt["prompt_token_ids"], params))
-            stream = RequestStream(rid, params.output_kind, self)
-            text = self.reply
-            pieces = [text[i : i + 3] for i in range(0, len(text), 3)] or [""]
-            if params.output_kind == RequestOutputKind.FINAL_ONLY:
-                pieces = [text]
-            for k, piece in enumerate(pieces):
-                last = k == len(pieces) - 1
-                outs = [
-                    CompletionOutput(
-                        index=i,
-                        text=piece,
-                        token_ids=[5] * len(piece),
-                        finish_reason=self.finish_reason if last else None,
-                    )
-                    for i in range(params.n)
-                ]
-                stream._put(RequestOutput(rid, None, [7, 8], outs, finished=last))
-            streams.append(stream)
-        return streams
+from tests.server_tools_stub import (
+    CHAT,
+    COMP,
+    MSG,
+    TOOL_TEMPLATE,
+    TOOLS,
+    WEATHER,
+    _app,
+    _client_run,
+    _post,
+    stub_tokenizer,
+)
 
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
-    from transformers import AutoTokenizer
-
-    folder = tmp_path_factory.mktemp("tok")
-    make_tokenizer(folder)
-    return AutoTokenizer.from_pretrained(str(folder))
-
-
-def _app(tokenizer, **kw):
-    engine = StubEngine(tokenizer)
-    return engine, build_app(engine, **kw)
-
-
-def _post(app, path: str, body: dict) -> httpx.Response:
-    async def main():
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
-            return await http.post(path, json=body)
-
-    return asyncio.run(main())
-
-
-def _client_run(app, fn):
-    """Runs `await fn(client)` with an `openai.AsyncOpenAI` client talking to the app."""
-
-    async def main():
-        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t")
-        async with openai.AsyncOpenAI(base_url="http://t/v1", api_key="x", http_client=http) as c:
-            return await fn(c)
-
-    return asyncio.run(main())
-
-
-def _error(res: httpx.Response) -> dict:
-    assert res.status_code == 400, res.text
-    return res.json()["error"]
+    return stub_tokenizer(tmp_path_factory)
 
 
 def test_response_format_and_structured_outputs_reach_the_engine(tokenizer):
@@ -387,162 +256,3 @@ def test_tools_and_tool_history_are_rendered_by_the_template(tokenizer, caplog):
     warnings = [r for r in caplog.records if "does not render `tools`" in r.getMessage()]
     assert len(warnings) == 1
     assert "get_weather" not in tokenizer.decode(engine.requests[-1][0])
-
-
-def _tools_with(parameters) -> list[dict]:
-    return [{"type": "function", "function": {"name": "f", "parameters": parameters}}]
-
-
-BAD = [
-    ({"messages": MSG, "tool_choice": "required"}, "tool_choice", "tools must be set"),
-    (
-        {
-            "messages": MSG,
-            "tools": TOOLS,
-            "tool_choice": {"type": "function", "function": {"name": "nope"}},
-        },
-        "tool_choice",
-        "'nope'",
-    ),
-    ({"messages": MSG, "tools": TOOLS}, "tool_choice", "--enable-auto-tool-choice"),
-    ({"messages": MSG, "tools": TOOLS, "tool_choice": "any"}, "tool_choice", ""),
-    ({"messages": MSG, "tools": [{"type": "function"}], "tool_choice": "none"}, "tools", ""),
-    (
-        {"messages": MSG, "tools": _tools_with({"type": "string"}), "tool_choice": "required"},
-        "tools",
-        "type 'object'",
-    ),
-    ({"messages": MSG, "tools": [NOW, NOW], "tool_choice": "required"}, "tools", "repeats"),
-    (
-        {
-            "messages": MSG,
-            "tools": [{"type": "function", "function": {"name": "a b"}}],
-            "tool_choice": "none",
-        },
-        "tools",
-        "function names",
-    ),
-    (
-        {"messages": MSG, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
-        "response_format",
-        "json_schema.schema",
-    ),
-    ({"messages": MSG, "response_format": {"type": "yaml"}}, "response_format", ""),
-    (
-        {
-            "messages": MSG,
-            "response_format": {"type": "json_object"},
-            "structured_outputs": {"regex": "a"},
-        },
-        "structured_outputs",
-        "only one",
-    ),
-    (
-        {
-            "messages": MSG,
-            "tools": TOOLS,
-            "tool_choice": "required",
-            "response_format": {"type": "json_object"},
-        },
-        "tool_choice",
-        "only one",
-    ),
-    (
-        {"messages": MSG, "structured_outputs": {"regex": "a", "choice": ["a"]}},
-        "structured_outputs",
-        "exactly one",
-    ),
-    ({"messages": MSG, "structured_outputs": {"choice": []}}, "structured_outputs", "choice"),
-    # refused by the engine: the param names the field the constraint came from
-    ({"messages": MSG, "structured_outputs": {"regex": "("}}, "structured_outputs", "compile"),
-    (
-        {
-            "messages": MSG,
-            "response_format": {
-                "type": "json_schema",
-                "json_schema": {"name": "x", "schema": {"type": "nonsense"}},
-            },
-        },
-        "response_format",
-        "compile",
-    ),
-    (
-        {
-            "messages": MSG,
-            "tools": _tools_with({"type": "object", "properties": {"x": {"type": "nonsense"}}}),
-            "tool_choice": "required",
-        },
-        "tools",
-        "compile",
-    ),
-    (
-        {
-            "messages": [
-                *MSG,
-                {
-                    "role": "assistant",
-                    "tool_calls": [
-                        {
-                            "id": "1",
-                            "type": "function",
-                            "function": {"name": "f", "arguments": "{oops"},
-                        }
-                    ],
-                },
-            ]
-        },
-        "messages",
-        "not valid JSON",
-    ),
-]
-
-
-@pytest.mark.parametrize("body,param,words", BAD, ids=[f"bad-{i}" for i in range(len(BAD))])
-def test_bad_tools_and_constraints_are_400_naming_the_field(tokenizer, body, param, words):
-    engine, app = _app(tokenizer)
-    err = _error(_post(app, CHAT, body))
-    assert err["param"] is not None and err["param"].startswith(param), err
-    assert words in err["message"], err
-    assert engine.requests == []  # nothing reached the engine
-    engine.reply = "fine"  # and the next request is served
-    assert _post(app, CHAT, {"messages": MSG}).json()["choices"][0]["message"]["content"] == "fine"
-
-
-def test_completions_refuse_constraint_conflicts(tokenizer):
-    engine, app = _app(tokenizer)
-    body = {
-        "prompt": "x",
-        "response_format": {"type": "json_object"},
-        "structured_outputs": {"choice": ["a"]},
-    }
-    assert _error(_post(app, COMP, body))["param"] == "structured_outputs"
-    body = {"prompt": "x", "structured_outputs": {"regex": "("}}
-    assert _error(_post(app, COMP, body))["param"] == "structured_outputs"
-
-
-def test_tool_flags(tokenizer, tmp_path):
-    ns = cli.build_parser().parse_args(
-        ["serve", "--enable-auto-tool-choice", "--tool-call-parser", "llama3_json"]
-    )
-    assert ns.enable_auto_tool_choice and ns.tool_call_parser == "llama3_json"
-    ns = cli.build_parser().parse_args(["serve", str(tmp_path), "--enable-auto-tool-choice"])
-    with pytest.raises(ValueError, match="--tool-call-parser"):
-        check_serve_args(ns)
-    with pytest.raises(SystemExit):
-        cli.build_parser().parse_args(["serve", "--tool-call-parser", "nope"])
-    with pytest.raises(ValueError, match="--tool-call-parser"):
-        build_app(StubEngine(tokenizer), enable_auto_tool_choice=True)
-
-
-def test_chat_template_flag_takes_a_file_or_the_text(tmp_path):
-    from pagedjax.server.api_server import _load_chat_template
-
-    long_text = TOOL_TEMPLATE + "{# " + "x" * 500 + " #}"  # longer than a file name may be
-    assert _load_chat_template(long_text) == long_text
-    path = tmp_path / "t.jinja"
-    path.write_text(TOOL_TEMPLATE)
-    assert _load_chat_template(str(path)) == TOOL_TEMPLATE
-    with pytest.raises(ValueError, match="cannot read --chat-template"):
-        _load_chat_template(str(tmp_path / "missing.jinja"))
-    with pytest.raises(ValueError, match="not a valid Jinja template"):
-        _load_chat_template("{% for m in messages %}")
