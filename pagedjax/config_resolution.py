@@ -16,6 +16,7 @@ from pagedjax.config import (
     CPU_DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
     DTYPES,
+    GGUF_ACTIVATIONS,
     GPU_DEFAULT_MAX_NUM_BATCHED_TOKENS,
     KV_CACHE_DTYPES,
     LINEAR_BACKENDS,
@@ -68,6 +69,8 @@ def resolve_engine_config(args) -> EngineConfig:
         raise _bad("attention_backend", f"one of {ATTENTION_BACKENDS}", args.attention_backend)
     if args.linear_backend not in LINEAR_BACKENDS:
         raise _bad("linear_backend", f"one of {LINEAR_BACKENDS}", args.linear_backend)
+    if args.gguf_activations not in GGUF_ACTIVATIONS:
+        raise _bad("gguf_activations", f"one of {GGUF_ACTIVATIONS}", args.gguf_activations)
     if args.kv_cache_dtype not in KV_CACHE_DTYPES:
         raise _bad("kv_cache_dtype", f"one of {KV_CACHE_DTYPES}", args.kv_cache_dtype)
     if args.quantization is not None and args.quantization not in QUANTIZATION_METHODS:
@@ -153,6 +156,7 @@ def resolve_engine_config(args) -> EngineConfig:
         linear_backend=linear_backend,
         cpu_kernel_isa=cpu_kernel_isa,
         batch_invariant=bool(args.batch_invariant),
+        gguf_activations=args.gguf_activations,
         download_dir=args.download_dir,
         quantization=quantization,
     )

@@ -18,6 +18,7 @@ from pagedjax.config import (
     CPU_KERNEL_ISAS,
     DTYPES,
     EXECUTOR_BACKENDS,
+    GGUF_ACTIVATIONS,
     KV_CACHE_DTYPES,
     LINEAR_BACKENDS,
     PREEMPTION_MODES,
@@ -129,6 +130,13 @@ class EngineArgs:
         "A request's logits bit-identical whatever shares its steps (CPU, linear_backend "
         "'cpu': the native matmul at every step size; off: XLA's dot for steps over 128 "
         "tokens).",
+    )
+    gguf_activations: str = _field(
+        "float32",
+        "What the native CPU kernel multiplies GGUF blocks kept quantized with: 'float32', or "
+        "'int8' (activations quantized per 32-value block, integer dot products; Q4_0, Q4_1, "
+        "Q5_0, Q5_1, Q8_0 blocks; an approximation, see the README).",
+        choices=GGUF_ACTIVATIONS,
     )
     max_logprobs: int = _field(20, "Most logprobs / prompt_logprobs a request may ask for.")
     download_dir: str | None = _field(

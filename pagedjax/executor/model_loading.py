@@ -99,7 +99,7 @@ def load_model(config: EngineConfig, devices=None) -> LoadedModel:
         params = pad_stage_params(params, stages, plan.sharding_for(logical))
     if mc.linear_backend == "cpu":  # the native matmul's panel layout, packed once
         max_rows = 0 if mc.batch_invariant else cpu_linear.MAX_TOKENS
-        params = cpu_gguf.use_native(cpu_linear.pack_params(params, max_rows))
+        params = cpu_gguf.use_native(cpu_linear.pack_params(params, max_rows), mc.gguf_activations)
         params = cpu_quant.use_native(params)  # int8 / AWQ / GPTQ stacks read in place
     return LoadedModel(tokenizer, plan, params, time.perf_counter() - t0)
 

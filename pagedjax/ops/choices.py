@@ -16,6 +16,8 @@ LINEAR_BACKENDS = ("xla", "cpu")
 
 # The native CPU kernels' ISA paths, widest first (`ops.cpu_kernels`; the config adds "auto").
 CPU_KERNEL_ISAS = ("avx512", "avx2", "portable")
+# What the native GGUF kernel multiplies the blocks with (`ops.cpu_gguf`).
+GGUF_ACTIVATIONS = ("float32", "int8")
 
 # What `ops.quant` computes (vLLM's `quantization=` names).
 QUANTIZATION_METHODS = ("int8", "w8a8", "fp8", "awq", "gptq")

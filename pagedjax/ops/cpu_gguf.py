@@ -9,6 +9,14 @@ whole stack of layers [L, N, row_bytes] and the layer index, reading the layer i
 `ops.linear.linear` runs it for a `GGUFWeight` marked `native` (`use_native`, done by the
 engine under `linear_backend="cpu"`) in steps of at most `MAX_TOKENS` tokens; larger steps
 dequantize the layer inside the step and use XLA's dot (`gguf_quant.matmul_xla`).
+
+int8 activations (`activations="int8"`, the engine's `gguf_activations="int8"`; formats of
+`INT8_FORMATS`, the others keep float32): `csrc/gguf_int8_cpu.cc` quantizes each 32-value
+block of x to int8 (scale max|x| / 127, rounded to nearest), as llama.cpp quantizes
+activations for its integer dot products (Q8_0, `quantize_row_q8_0`), and multiplies by the
+blocks' integers with int32 sums (VNNI `vpdpbusd` on AVX-512 machines that have it, scalar
+code elsewhere), scaling per block in float32. It is an approximation of the float32 product:
+each activation moves by up to half a quantization step (max|x| / 254 of its block).
 """
 
 from __future__ import annotations
@@ -20,6 +28,10 @@ from pagedjax.ops import cpu_kernels
 from pagedjax.ops.gguf_quant import GGML_TYPE_IDS, GGUF_FORMATS, GGUFWeight
 
 TARGET = "pagedjax_gguf_linear_cpu"
+TARGET_INT8 = "pagedjax_gguf_linear_int8_cpu"
+# The formats the int8-activation kernel takes (32-value blocks); the others run float32.
+INT8_FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
+ACTIVATIONS = ("float32", "int8")
 # Steps of more tokens than this dequantize the layer and use XLA's dot instead (there the
 # dequantization is small next to the dot, which XLA blocks for large M).
 MAX_TOKENS = 128
@@ -32,6 +44,7 @@ def matmul(
     num_rows: jax.Array | int | None = None,
     *,
     isa: str | None = None,
+    activations: str | None = None,
 ) -> jax.Array:
     """x @ W[layer] in float32, for the first `num_rows` rows of x.
 
@@ -43,6 +56,8 @@ def matmul(
         num_rows: scalar int32 (traced or not): rows [0, num_rows) of x are multiplied, the
             others give zeros; None: all M.
         isa: the kernel's ISA path (`cpu_kernels.ISAS`); None: `cpu_kernels.default_isa()`.
+        activations: "float32" or "int8" (see the module docstring; "int8" on a format
+            outside INT8_FORMATS runs float32); None: the weight's own `activations`.
 
     Returns:
         [M, N] float32.
@@ -52,7 +67,11 @@ def matmul(
         ValueError: shapes that disagree, K not a multiple of the vector width's block, or an
             ISA path this CPU cannot run.
     """
-    target = cpu_kernels.target(TARGET, isa)
+    activations = activations or w.activations
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"gguf_activations must be one of {ACTIVATIONS}, got {activations!r}")
+    int8 = activations == "int8" and w.qtype in INT8_FORMATS
+    target = cpu_kernels.target(TARGET_INT8 if int8 else TARGET, isa)
     blocks = w.blocks if w.blocks.ndim == 3 else w.blocks[None]
     if x.ndim != 2 or x.shape[1] != w.in_features:
         raise ValueError(f"GGUF matmul: x {x.shape} and a weight of K={w.in_features} disagree")
@@ -72,11 +91,20 @@ def matmul(
     )
 
 
-def use_native(params: dict) -> dict:
+def use_native(params: dict, activations: str = "float32") -> dict:
     """The params pytree with every `GGUFWeight` marked `native` (multiplied by this kernel in
-    small steps; the stacks read in place by the layer scan, `ops.linear.reads_in_place`)."""
+    small steps; the stacks read in place by the layer scan, `ops.linear.reads_in_place`) and
+    multiplied with `activations` ("float32" | "int8").
+
+    Raises:
+        ValueError: an unknown `activations`.
+    """
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"gguf_activations must be one of {ACTIVATIONS}, got {activations!r}")
 
     def mark(w):
-        return w.replace(native=True) if isinstance(w, GGUFWeight) else w
+        if isinstance(w, GGUFWeight):
+            return w.replace(native=True, activations=activations)
+        return w
 
     return jax.tree.map(mark, params, is_leaf=lambda w: isinstance(w, GGUFWeight))

@@ -1,14 +1,16 @@
 """The native CPU kernels' library: C++ XLA FFI custom calls, built on first use, per ISA path.
 
-Five kernels live in `csrc/` and are compiled into one shared library:
+Six kernels live in `csrc/` and are compiled into one shared library:
     paged_attention_cpu.cc  ragged paged attention (`cpu_attention.paged_attention`)
     linear_cpu.cc           float32 x @ W[layer] over a stacked weight (`cpu_linear.matmul`)
     gguf_linear_cpu.cc      x @ W[layer] over GGUF quantized blocks (`cpu_gguf.matmul`)
+    gguf_int8_cpu.cc        the same with x quantized to int8 per 32-value block, integer dot
+                            products (`cpu_gguf.matmul(..., activations="int8")`)
     quant_linear_cpu.cc     x @ W[layer] over int8 / AWQ / GPTQ int4 weights (`cpu_quant.matmul`)
     kv_write_cpu.cc         the new K/V rows into their cache slots, in place
                             (`kv_cache.write_kv(..., native=True)`)
 The first and the last are the "cpu" attention backend (`attention_backend="cpu"`), the
-other three the "cpu" linear backend (`linear_backend="cpu"`); "auto" picks both on one CPU
+other four the "cpu" linear backend (`linear_backend="cpu"`); "auto" picks both on one CPU
 device. A new kernel
 is one more file in SOURCES and one more entry in TARGETS.
 
@@ -24,7 +26,7 @@ path, refusing one wider than the CPU. The engine sets the process's path once
 
 Each library is compiled with the system C++ compiler ($CXX, else g++) against the FFI
 headers that ship with jaxlib, into `<cache root>/kernels/` (see `paths.cache_root`), keyed by
-the sources and their header, the path's flags, the jaxlib version and the CPU model.
+the sources and their headers, the path's flags, the jaxlib version and the CPU model.
 `available()` is False, with the reason logged once, when there is no compiler or the build
 fails; `attention_backend` and `linear_backend` "auto" then keep "xla".
 """
@@ -54,15 +56,18 @@ SOURCES = (
     CSRC / "paged_attention_cpu.cc",
     CSRC / "linear_cpu.cc",
     CSRC / "gguf_linear_cpu.cc",
+    CSRC / "gguf_int8_cpu.cc",
     CSRC / "quant_linear_cpu.cc",
     CSRC / "kv_write_cpu.cc",
 )
-HEADERS = (CSRC / "simd.h", CSRC / "parallel.h")  # included by the sources: part of the cache key
+# Included by the sources: part of the cache key.
+HEADERS = (CSRC / "simd.h", CSRC / "parallel.h", CSRC / "gguf_blocks.h")
 # FFI target name -> the handler symbol the library exports.
 TARGETS = {
     "pagedjax_paged_attention_cpu": "PagedAttentionCpu",
     "pagedjax_linear_cpu": "LinearCpu",
     "pagedjax_gguf_linear_cpu": "GgufLinearCpu",
+    "pagedjax_gguf_linear_int8_cpu": "GgufLinearInt8Cpu",
     "pagedjax_quant_int8_linear_cpu": "QuantInt8LinearCpu",
     "pagedjax_quant_int4_linear_cpu": "QuantInt4LinearCpu",
     "pagedjax_kv_write_cpu": "KvWriteCpu",

@@ -69,12 +69,17 @@ class GGUFWeight:
         in_features: K, the input size (static).
         native: True when the engine multiplies it with the native CPU kernel (static; set
             by `ops.cpu_gguf.use_native`), which reads a stack of layers in place.
+        activations: what the native kernel multiplies the blocks with (static; the engine's
+            `gguf_activations`): "float32", or "int8" (x quantized per 32-value block, integer
+            dot products; `ops.cpu_gguf`), "int8" taking effect for the formats of
+            `cpu_gguf.INT8_FORMATS` only.
     """
 
     blocks: jax.Array
     qtype: str = struct.field(pytree_node=False)
     in_features: int = struct.field(pytree_node=False)
     native: bool = struct.field(pytree_node=False, default=False)
+    activations: str = struct.field(pytree_node=False, default="float32")
 
     @property
     def shape(self) -> tuple[int, ...]:
