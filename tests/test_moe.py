@@ -431,10 +431,11 @@ def test_collectives_per_layer(moe_sharding_report, layout):
     assert loops == [want], ops
 
 
-@pytest.mark.parametrize("arch", ["qwen3moe", "llama"])
+@pytest.mark.parametrize("arch", ["qwen2moe", "llama"])
 def test_gguf_mixture_of_experts_is_refused_by_name(tmp_path, arch):
-    """A GGUF MoE file (transformers' qwen3moe; llama.cpp's Mixtral: "llama" with
-    expert_count) is refused with a message naming it, not misread as a dense model."""
+    """A GGUF MoE file other than qwen3moe (which loads: tests/test_gguf_moe.py), e.g.
+    qwen2moe or llama.cpp's Mixtral ("llama" with expert_count), is refused with a message
+    naming it, not misread as a dense model."""
     import gguf
 
     from pagedjax.models.gguf_file import gguf_arch_config
