@@ -343,6 +343,19 @@ struct Problem {
   Fused fused;
 };
 
+// Software prefetch of [p, p + bytes) into the caches, a line at a time: the rows of the
+// next group, while this one is computed (the hardware prefetchers follow the four
+// interleaved row streams poorly: one thread read 94 MB of Q4_1 rows at 3.5 GB/s without it).
+inline void Prefetch(const uint8_t* p, int64_t bytes) {
+#if defined(__x86_64__)
+  for (int64_t b = 0; b < bytes; b += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(p + b), _MM_HINT_T0);
+#endif
+}
+// Rows ahead that a small step prefetches: two groups (one and three measured within noise of
+// it, +15-45 % with any against none, on one thread over 94 MB).
+constexpr int64_t kPrefetchRows = 2 * R;
+
 void RunItem(const Problem& p, int64_t n0, int64_t n1, std::vector<float>& buf) {
   const int64_t nb = p.K / 32;
   if (p.M <= MT && p.fused.tiles != nullptr) {
@@ -350,6 +363,7 @@ void RunItem(const Problem& p, int64_t n0, int64_t n1, std::vector<float>& buf) 
     for (int64_t n = n0; n < n1; n += R) {
       const int rr = int(std::min<int64_t>(R, n1 - n));
       const uint8_t* w = p.w + n * p.row_bytes;
+      Prefetch(w + kPrefetchRows * p.row_bytes, std::min<int64_t>(n1 - n - kPrefetchRows, R) * p.row_bytes);
       for (int j = 0; j < rr; ++j)
         p.fused.halves(w + j * p.row_bytes, nb, &buf[j * 2 * nb], &buf[j * 2 * nb + nb]);
       (*p.fused.tiles)[rr][p.M](p.x, p.K, w, p.row_bytes, buf.data(), p.y + n, p.N);
