@@ -50,37 +50,8 @@ namespace {
 
 using namespace pagedjax_gguf;
 
-typedef int8_t vsbu __attribute__((vector_size(kVecFloats), aligned(1)));  // signed bytes
-
-// kVecFloats bytes -> int32 lanes, zero- (U8) or sign-extended (S8): one vpmovzxbd /
-// vpmovsxbd on x86 (GCC's __builtin_convertvector widens lane by lane).
-inline vi WidenU8(const uint8_t* p) {
-#if defined(PAGEDJAX_ISA_AVX512)
-  return (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-#elif defined(PAGEDJAX_ISA_AVX2)
-  return (vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-#elif defined(__SSE4_1__)
-  int32_t word;
-  std::memcpy(&word, p, 4);
-  return (vi)_mm_cvtepu8_epi32(_mm_cvtsi32_si128(word));
-#else
-  return __builtin_convertvector(*reinterpret_cast<const vbu*>(p), vi);
-#endif
-}
-
-inline vi WidenS8(const uint8_t* p) {
-#if defined(PAGEDJAX_ISA_AVX512)
-  return (vi)_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-#elif defined(PAGEDJAX_ISA_AVX2)
-  return (vi)_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-#elif defined(__SSE4_1__)
-  int32_t word;
-  std::memcpy(&word, p, 4);
-  return (vi)_mm_cvtepi8_epi32(_mm_cvtsi32_si128(word));
-#else
-  return __builtin_convertvector(*reinterpret_cast<const vsbu*>(p), vi);
-#endif
-}
+inline vi WidenU8(const uint8_t* p) { return WidenBytes(p); }
+inline vi WidenS8(const uint8_t* p) { return WidenSignedBytes(p); }
 
 inline vi Iota() {
   vi v;

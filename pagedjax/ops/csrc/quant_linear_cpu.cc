@@ -51,25 +51,9 @@ constexpr int MR = kVecRegs == 32 ? 6 : 5;  // rows of x per buffered micro-kern
 constexpr int64_t kDirectMaxRows = 4;       // rows of x up to which weights are read directly
 constexpr int64_t KC = 128;                 // weight rows per buffered chunk (a multiple of 8)
 
-typedef int8_t vsb __attribute__((vector_size(kVecFloats), aligned(1)));
 typedef int32_t viu __attribute__((vector_size(4 * kVecFloats), aligned(4)));
 
-// kVecFloats int8 -> float lanes (vpmovsxbd + vcvtdq2ps on x86).
-inline vi WidenS8(const int8_t* p) {
-#if defined(PAGEDJAX_ISA_AVX512)
-  return (vi)_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-#elif defined(PAGEDJAX_ISA_AVX2)
-  return (vi)_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-#elif defined(__SSE4_1__)
-  int32_t word;
-  std::memcpy(&word, p, 4);
-  return (vi)_mm_cvtepi8_epi32(_mm_cvtsi32_si128(word));
-#else
-  return __builtin_convertvector(*reinterpret_cast<const vsb*>(p), vi);
-#endif
-}
-
-inline vf Int8ToFloat(const int8_t* p) { return __builtin_convertvector(WidenS8(p), vf); }
+inline vf Int8ToFloat(const int8_t* p) { return __builtin_convertvector(WidenSignedBytes(p), vf); }
 inline vi LoadI32(const int32_t* p) { return *reinterpret_cast<const viu*>(p); }
 
 struct Problem {
@@ -135,7 +119,7 @@ void Int4Direct(const Problem& p, int64_t n) {
     vi zero[NV];
     vf scale[NV];
     for (int v = 0; v < NV; ++v) {
-      zero[v] = WidenS8(p.z + g * p.N + n + v * kVecFloats);
+      zero[v] = WidenSignedBytes(p.z + g * p.N + n + v * kVecFloats);
       scale[v] = VLoad(p.s + g * p.N + n + v * kVecFloats);
     }
     for (int64_t o = g * p.gs / 8; o < (g + 1) * p.gs / 8; ++o) {
@@ -165,7 +149,7 @@ void Int4Chunk(const Problem& p, int64_t n, int cols, int64_t k0, int64_t kc, fl
     if (cols == PW) {
       for (int v = 0; v < NV; ++v) {
         const vi packed = LoadI32(q + o * p.N + v * kVecFloats);
-        const vi zero = WidenS8(z + v * kVecFloats);
+        const vi zero = WidenSignedBytes(z + v * kVecFloats);
         const vf scale = VLoad(s + v * kVecFloats);
         for (int j = 0; j < 8; ++j) VStore(buf + j * PW + v * kVecFloats, Int4Weight(packed, j, zero, scale));
       }

@@ -85,13 +85,35 @@ inline float HSum(vf x) {
 // kVecFloats bytes zero-extended to int32 lanes: GCC 12 compiles __builtin_convertvector of a
 // byte vector into byte-by-byte scalar loads and inserts (5x slower over a float8 block than
 // vpmovzxbd), so the x86 paths use the intrinsic.
-inline vi WidenBytes(const uint8_t* p) {
+inline vi WidenBytes(const void* p) {
 #if defined(PAGEDJAX_ISA_AVX512)
   return (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 #elif defined(PAGEDJAX_ISA_AVX2)
   return (vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+#elif defined(__SSE4_1__)
+  int32_t word;
+  std::memcpy(&word, p, 4);
+  return (vi)_mm_cvtepu8_epi32(_mm_cvtsi32_si128(word));
 #else
   vb b;
+  std::memcpy(&b, p, sizeof b);
+  return __builtin_convertvector(b, vi);
+#endif
+}
+
+// kVecFloats signed bytes sign-extended to int32 lanes (vpmovsxbd on x86).
+inline vi WidenSignedBytes(const void* p) {
+#if defined(PAGEDJAX_ISA_AVX512)
+  return (vi)_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#elif defined(PAGEDJAX_ISA_AVX2)
+  return (vi)_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+#elif defined(__SSE4_1__)
+  int32_t word;
+  std::memcpy(&word, p, 4);
+  return (vi)_mm_cvtepi8_epi32(_mm_cvtsi32_si128(word));
+#else
+  typedef int8_t vsb __attribute__((vector_size(kVecFloats)));
+  vsb b;
   std::memcpy(&b, p, sizeof b);
   return __builtin_convertvector(b, vi);
 #endif
