@@ -15,22 +15,16 @@ import pytest
 import torch
 from conftest import forward_chunks, hf_greedy, hf_model, make_checkpoint, randomize_norms
 from gguf_writer import write_gguf
+from test_moe import CASES, EXPERT_NAMES
 
 from pagedjax import SamplingParams
 from pagedjax.models import loader
 from pagedjax.models.qwen3_moe import Qwen3MoeArchConfig
 from pagedjax.ops.gguf_quant import GGUFWeight
 
-CASE = dict(
-    arch="qwen3_moe",
-    num_hidden_layers=3,
-    head_dim=16,
-    num_experts=8,
-    num_experts_per_tok=2,
-    moe_intermediate_size=32,
-    norm_topk_prob=True,
-)
-EXPERTS = ("experts_gate", "experts_up", "experts_down")
+# test_moe's Qwen3-MoE case, every layer sparse (llama.cpp's qwen3moe has no dense layers)
+CASE = {k: v for k, v in CASES["qwen3_moe"].items() if k != "mlp_only_layers"}
+EXPERTS = EXPERT_NAMES
 NEW_TOKENS = 8
 _rng = np.random.default_rng(5)
 PROMPTS = [_rng.integers(3, 259, size=n).tolist() for n in (3, 21, 50)]
