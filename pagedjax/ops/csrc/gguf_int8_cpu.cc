@@ -256,7 +256,7 @@ ffi::Error GgufLinearInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
   p.y = y->typed_data();
   std::fill(p.y + p.M * p.N, p.y + total_rows * p.N, 0.0f);  // padding rows
   if (p.M == 0 || p.N == 0) return ffi::Error::Success();
-  QuantX xq;
+  thread_local QuantX xq;  // reused call to call: no allocation in a step
   QuantizeRows(x.typed_data(), p.M, p.K, xq);
   p.xq = &xq;
   const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
