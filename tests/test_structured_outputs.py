@@ -413,3 +413,50 @@ def test_json_with_a_real_bpe_vocabulary(smol_llm):
             jsonschema_rs.validate(SCHEMA, json.loads(c.text))
     finally:
         rec.close()
+
+
+def test_constraint_is_read_once_when_added(llm, monkeypatch):
+    """A request's schema is turned into grammar text once, when it is added (the engine
+    never reads the user's dict again: changing it afterwards changes nothing); equal
+    schemas in separate dicts compile once; `SamplingParams.clone` shares the constraint
+    instead of deep-copying it (a large schema cost a decode step to copy)."""
+    eng = llm.llm_engine
+    mgr = eng.structured_output
+    calls = []
+    text_of = grammar_mod.grammar_text
+
+    def counted(so):
+        calls.append(so.kind)
+        return text_of(so)
+
+    monkeypatch.setattr(grammar_mod, "grammar_text", counted)
+    schema = {
+        "type": "object",
+        "properties": {"k": {"enum": ["once"]}},
+        "required": ["k"],
+        "additionalProperties": False,
+    }
+    params = SamplingParams(
+        temperature=0, max_tokens=24, structured_outputs=SO(json=schema, whitespace_pattern="")
+    )
+    assert params.clone().structured_outputs is params.structured_outputs
+    assert params.clone().stop is not params.stop
+    compiles = mgr.stats["compiles"]
+    eng.add_request("a", {"prompt_token_ids": [30, 31]}, params)
+    copy_params = SamplingParams(
+        temperature=0,
+        max_tokens=24,
+        structured_outputs=SO(json=json.loads(json.dumps(schema)), whitespace_pattern=""),
+    )
+    eng.add_request("b", {"prompt_token_ids": [32, 33]}, copy_params)
+    assert calls == ["json", "json"]  # one per request, none for the cache key or the pool
+    schema["properties"]["k"]["enum"] = ["changed"]  # after add_request: no effect
+    done = {}
+    while eng.has_unfinished_requests():
+        done.update({o.request_id: o for o in eng.step() if o.finished})
+    assert mgr.stats["compiles"] == compiles + 1
+    for rid in "ab":
+        out = done[rid].outputs[0]
+        assert out.finish_reason == "stop", out
+        assert json.loads(out.text) == {"k": "once"}
+    _assert_pool_whole(llm)

@@ -235,7 +235,9 @@ class LLMEngine:
                     structured_output=(
                         None
                         if params.structured_outputs is None
-                        else self.structured_output.new_request(params.structured_outputs)
+                        else self.structured_output.new_request(
+                            params.structured_outputs, inp.grammar_text
+                        )
                     ),
                 )
             )

@@ -29,14 +29,16 @@ MAX_BAD_WORDS = 1024  # bad words per request (vLLM sets no limit); more is a 40
 @dataclasses.dataclass(frozen=True)
 class ProcessedInput:
     """A validated request: its text (None for token ids), prompt token ids (truncated),
-    cache salt, a copy of its SamplingParams with `max_tokens` resolved, and the token
-    sequences of its bad words."""
+    cache salt, a copy of its SamplingParams with `max_tokens` resolved, the token
+    sequences of its bad words, and its structured-outputs constraint's grammar text (None
+    without one)."""
 
     text: str | None
     prompt_token_ids: list[int]
     cache_salt: str | None
     params: SamplingParams
     bad_words_token_ids: list[list[int]] | None
+    grammar_text: str | None = None
 
 
 class InputProcessor:
@@ -128,13 +130,13 @@ class InputProcessor:
                 "prompt or completion.",
                 "max_tokens",
             )
-        self._check_params(params)
+        grammar = self._check_params(params)
         bad_words = self._bad_words_token_ids(params)
         self._check_banned(params, bad_words)
         params = params.clone()
         room = m - len(ids)
         params.max_tokens = max(1, min(params.max_tokens or room, room)) if room > 0 else 1
-        return ProcessedInput(text, ids, salt, params, bad_words)
+        return ProcessedInput(text, ids, salt, params, bad_words, grammar)
 
     def _check_prompt_len(self, n: int, check_max_tokens: bool) -> None:
         m = self.model_config.max_model_len
@@ -148,8 +150,9 @@ class InputProcessor:
                 "prompt",
             )
 
-    def _check_params(self, params: SamplingParams) -> None:
-        """Checks what SamplingParams cannot check alone (vocabulary, max_logprobs, ...)."""
+    def _check_params(self, params: SamplingParams) -> str | None:
+        """Checks what SamplingParams cannot check alone (vocabulary, max_logprobs, ...);
+        returns the structured-outputs constraint's grammar text (None without one)."""
         mc = self.model_config
         vocab = mc.arch.vocab_size
         for field in ("logprobs", "prompt_logprobs"):
@@ -179,7 +182,8 @@ class InputProcessor:
                     "structured_outputs needs a tokenizer (skip_tokenizer_init is set)",
                     "structured_outputs",
                 )
-            validate_structured_outputs(params.structured_outputs)
+            return validate_structured_outputs(params.structured_outputs)
+        return None
 
     def _bad_words_token_ids(self, params: SamplingParams) -> list[list[int]] | None:
         """Token sequences of each bad word, with and without a leading space (as vLLM),

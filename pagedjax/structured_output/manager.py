@@ -1,14 +1,17 @@
 """`StructuredOutputManager`: grammar compilation off the step path and the step's bitmask.
 
 Compilation: the first request with a given constraint submits its grammar to a thread pool
-(llguidance drops the GIL while it compiles); later requests with an equal constraint
-(`grammar.constraint_key`) share the cached future (an LRU of `CACHE_SIZE` grammars). The
-llguidance tokenizer (the engine's Hugging Face tokenizer, as `llguidance.LLTokenizer`) is
-built once per engine, on the pool, when the first constrained request arrives. A request
-waits in the scheduler until its grammar is ready (vLLM's WAITING_FOR_FSM), so a slow grammar
-delays only itself. The pool's threads run at a lower CPU priority (nice + `WORKER_NICENESS`,
-Linux) so that, where cores are few, a long compilation takes CPU from the steps' threads only
-when they leave it idle.
+(llguidance drops the GIL while it compiles); later requests with an equal constraint (the same
+`grammar.grammar_text`, built once per request when it is validated) share the cached future
+(an LRU of `CACHE_SIZE` grammars). The llguidance tokenizer (the engine's Hugging Face
+tokenizer, as `llguidance.LLTokenizer`) is built once per engine, on the pool, when the first
+constrained request arrives. A request waits in the scheduler until its grammar is ready
+(vLLM's WAITING_FOR_FSM), so a slow grammar delays only itself. The pool's threads run at a
+lower CPU priority (nice + `WORKER_NICENESS`, Linux) so that, where cores are few, a long
+compilation takes less CPU from the steps' threads. (Not SCHED_IDLE: a compile thread of that
+class, starved while it holds the GIL, stalled the engine thread; on 2 cores busy with 8
+streams their slowest step while a 400-object schema compiled was 3.9-5.5x the median step,
+against 1.8-2.2x at nice + 10 or + 19.)
 
 Bitmask: each step, `fill_bitmask` gives the scheduled rows a [rows, ceil(V / 32)] int32 mask
 (bit j of word w allows token 32 w + j; llguidance's layout); unconstrained rows and rows that
@@ -33,7 +36,7 @@ import llguidance.numpy as llg_np
 import numpy as np
 
 from pagedjax.sampling_params import StructuredOutputsParams
-from pagedjax.structured_output.grammar import constraint_key, grammar_text
+from pagedjax.structured_output.grammar import grammar_text
 from pagedjax.structured_output.request import StructuredOutputRequest
 
 logger = logging.getLogger(__name__)
@@ -118,16 +121,21 @@ class StructuredOutputManager:
             raise ValueError(f"the grammar does not compile: {matcher.get_error()}")
         return matcher
 
-    def new_request(self, so: StructuredOutputsParams) -> StructuredOutputRequest:
+    def new_request(
+        self, so: StructuredOutputsParams, text: str | None = None
+    ) -> StructuredOutputRequest:
         """The state of one sequence under `so`; its grammar compiles on the pool (or comes
-        from the cache). Call once per sequence (each of n samples has its own matcher)."""
-        key = constraint_key(so)
+        from the cache). Call once per sequence (each of n samples has its own matcher).
+        `text`: `so`'s `grammar_text`, when the caller has it (the engine's input checks
+        built it); None: built here."""
+        text = grammar_text(so) if text is None else text
+        key = (so.kind, text)
         with self._lock:
             if self._tokenizer is None:
                 self._tokenizer = self._pool.submit(self._build_tokenizer)
             fut = self._cache.get(key)
             if fut is None or (fut.done() and fut.exception() is not None):
-                fut = self._pool.submit(lambda: self._compile(grammar_text(so)))
+                fut = self._pool.submit(self._compile, text)
                 self._cache[key] = fut
                 while len(self._cache) > CACHE_SIZE:
                     self._cache.popitem(last=False)
