@@ -263,9 +263,9 @@ def test_flops_follow_top_k_not_the_number_of_experts():
 
 
 def test_packed_experts_native_matmul(moe_dirs):
-    """linear_backend="cpu": expert stacks packed for the native matmul ([L, E, P, D, 16]
-    panels) give the float logits: one-token steps through the native kernel (each tile's
-    expert read in place), a 45-token chunk through the unpacked XLA path."""
+    """linear_backend="cpu": expert stacks packed for the native grouped matmul ([L, E, P,
+    D, 16] panels, each expert read in place) give the float logits, for one-token steps and
+    a 45-token chunk."""
     from pagedjax.ops import cpu_kernels, cpu_linear
 
     if not cpu_kernels.available():

@@ -138,10 +138,10 @@ def moe_block(
     weight = jnp.where(held, expert_weights.reshape(A), 0).astype(x.dtype)[order]
     rows = jnp.zeros((n_tiles * m, D), x.dtype).at[dest].set(x[token])
     rows = rows.reshape(n_tiles, m, D)
-    tile_expert = jnp.minimum(tile_group, E_l - 1)
     act = _ACTIVATIONS[activation]
-    gate = expert_linear(rows, w["experts_gate"], tile_expert)  # [n_tiles, m, Fe]
-    up = expert_linear(rows, w["experts_up"], tile_expert)
-    y = expert_linear(act(gate) * up, w["experts_down"], tile_expert)  # [n_tiles, m, D]
+    # tile_group E_l: assignments held elsewhere, dropped below (their weight is 0)
+    gate = expert_linear(rows, w["experts_gate"], tile_group)  # [n_tiles, m, Fe]
+    up = expert_linear(rows, w["experts_up"], tile_group)
+    y = expert_linear(act(gate) * up, w["experts_down"], tile_group)  # [n_tiles, m, D]
     y = y.reshape(n_tiles * m, D)[dest] * weight[:, None]  # [A, D]
     return jnp.zeros((T, D), x.dtype).at[token].add(y)

@@ -2,7 +2,8 @@
 
 Six kernels live in `csrc/` and are compiled into one shared library:
     paged_attention_cpu.cc  ragged paged attention (`cpu_attention.paged_attention`)
-    linear_cpu.cc           float32 x @ W[layer] over a stacked weight (`cpu_linear.matmul`)
+    linear_cpu.cc           float32 x @ W[layer] over a stacked weight (`cpu_linear.matmul`),
+                            and the experts' grouped matmul (`cpu_linear.grouped_matmul`)
     gguf_linear_cpu.cc      x @ W[layer] over GGUF quantized blocks (`cpu_gguf.matmul`)
     gguf_int8_cpu.cc        the same with x quantized to int8 per 32-value block, integer dot
                             products (`cpu_gguf.matmul(..., activations="int8")`)
@@ -66,6 +67,7 @@ HEADERS = (CSRC / "simd.h", CSRC / "parallel.h", CSRC / "gguf_blocks.h")
 TARGETS = {
     "pagedjax_paged_attention_cpu": "PagedAttentionCpu",
     "pagedjax_linear_cpu": "LinearCpu",
+    "pagedjax_grouped_linear_cpu": "GroupedLinearCpu",
     "pagedjax_gguf_linear_cpu": "GgufLinearCpu",
     "pagedjax_gguf_linear_int8_cpu": "GgufLinearInt8Cpu",
     "pagedjax_quant_int8_linear_cpu": "QuantInt8LinearCpu",

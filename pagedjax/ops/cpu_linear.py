@@ -32,6 +32,7 @@ from pagedjax.ops import cpu_kernels
 from pagedjax.ops.quant import EXPERT_WEIGHTS, LINEAR_WEIGHTS
 
 TARGET = "pagedjax_linear_cpu"
+GROUPED_TARGET = "pagedjax_grouped_linear_cpu"
 # With `batch_invariant=False`, `ops.linear` uses the kernel on a layer of a packed stack for
 # steps of at most this many tokens and XLA's dot on larger ones.
 MAX_TOKENS = 128
@@ -184,4 +185,54 @@ def matmul(
         w.panels,
         jnp.asarray(layer, jnp.int32).reshape(()),
         jnp.asarray(rows, jnp.int32).reshape(()),
+    )
+
+
+def grouped_matmul(
+    x: jax.Array,
+    w: PackedWeight,
+    layer: jax.Array | int,
+    expert: jax.Array,
+    *,
+    isa: str | None = None,
+) -> jax.Array:
+    """The grouped matmul of a mixture-of-experts layer over a packed expert stack:
+    y[t] = x[t] @ W[layer, expert[t]], in float32, in one native call.
+
+    Consecutive tiles of one expert are multiplied together, reading that expert's panels
+    in place once per call: the bytes read follow the experts the step uses, not the number
+    of experts. Each row's result is bit-identical to `matmul` of that row alone on the same
+    expert (one chain of fused multiply-adds over k per element).
+
+    Args:
+        x: [n_tiles, m, K] activations (any float dtype; computed in float32), tiles sorted
+            by expert (`models.moe_layer.group_layout`).
+        w: a `PackedWeight` of float32 [L, E, K, N] expert stacks (panels
+            [L, E, ceil(N / 16), K, 16]: `pack_params`).
+        layer: scalar int32 index into the L axis (traced or not).
+        expert: [n_tiles] int32: each tile's expert; a tile whose expert is outside [0, E)
+            (assignments to experts held on another device) gives zeros.
+        isa: as in `matmul`.
+
+    Returns:
+        [n_tiles, m, N] float32.
+
+    Raises:
+        RuntimeError: the kernels are unavailable.
+        ValueError: w is not a packed [L, E, K, N] stack, or the shapes disagree.
+    """
+    target = cpu_kernels.target(GROUPED_TARGET, isa)
+    if not isinstance(w, PackedWeight) or len(w.shape) != 4:
+        raise ValueError(f"grouped matmul takes a PackedWeight of [L, E, K, N], not {w!r:.80}")
+    if x.ndim != 3 or x.shape[2] != w.shape[2] or expert.shape != x.shape[:1]:
+        raise ValueError(
+            "grouped matmul: x [n_tiles, m, K], expert [n_tiles] and w [L, E, K, N] disagree: "
+            f"{x.shape}, {expert.shape}, {w.shape}"
+        )
+    out = jax.ShapeDtypeStruct((*x.shape[:2], w.n), jnp.float32)
+    return jax.ffi.ffi_call(target, out)(
+        x.astype(jnp.float32),
+        w.panels,
+        jnp.asarray(layer, jnp.int32).reshape(()),
+        expert.astype(jnp.int32),
     )

@@ -180,48 +180,37 @@ def expert_linear(x: jax.Array, w: Weight, expert: jax.Array) -> jax.Array:
 
     Args:
         x: [n_tiles, m, in] activations in the model dtype (m rows per tile, all routed to
-            one expert).
+            one expert), tiles sorted by expert.
         w: a stack of expert weights, logical shape [E, in, out]: a plain array or a
             `QuantizedWeight` (int8, w8a8, fp8) whose leaves lead with E.
-        expert: [n_tiles] int32 in [0, E), the expert of each tile.
+        expert: [n_tiles] int32 in [0, E], the expert of each tile; E marks a tile of
+            assignments to experts held on another device (expert parallelism), whose rows
+            the caller drops: the native kernel writes zeros there, the XLA paths compute
+            them with expert E - 1.
 
     Returns:
-        [n_tiles, m, out] in x's dtype. Each tile reads one expert's weight (a gather of
-        n_tiles weights), so the FLOPs are 2 * n_tiles * m * in * out, whatever E is.
+        [n_tiles, m, out] in x's dtype. On XLA each tile reads one expert's weight (a gather
+        of n_tiles weights), so the FLOPs are 2 * n_tiles * m * in * out, whatever E is.
         A `LayerView` of a packed expert stack (`cpu_linear.pack_params`, the engine's
-        `linear_backend="cpu"`) multiplies each tile with the native matmul, reading its
-        expert in place, for up to `cpu_linear.MAX_TOKENS` rows; larger steps unpack the
-        layer's experts and take the XLA path (`_packed_expert_linear`).
+        `linear_backend="cpu"`) is one native call at every step size
+        (`cpu_linear.grouped_matmul`): each run of one expert's tiles reads that expert in
+        place, once.
 
     Raises:
         ValueError: a weight kind the grouped matmul does not take (packed CPU panels; int4).
     """
+    if isinstance(w, LayerView):
+        stack = w.stack
+        if not isinstance(stack, cpu_linear.PackedWeight):
+            raise ValueError(f"a layer view of {type(stack).__name__} is not an expert stack")
+        return cpu_linear.grouped_matmul(x, stack, w.index, expert).astype(x.dtype)
+    if isinstance(w, cpu_linear.PackedWeight):
+        raise ValueError("a packed expert stack is read through a LayerView of its layer")
+    expert = jnp.minimum(expert, w.shape[0] - 1)
     if isinstance(w, QuantizedWeight):
         if w.method not in ("int8", "w8a8", "fp8"):
             raise ValueError(f"expert weights quantized as {w.method!r} are not supported")
         picked = jax.tree.map(lambda a: jnp.take(a, expert, axis=0), w)
         return jax.vmap(quantized_matmul)(x, picked)
-    if isinstance(w, LayerView):
-        return _packed_expert_linear(x, w, expert)
-    if isinstance(w, cpu_linear.PackedWeight):
-        raise ValueError("a packed expert stack is read through a LayerView of its layer")
     picked = jnp.take(w, expert, axis=0)  # [n_tiles, in, out]
     return jnp.einsum("tmi,tio->tmo", x, picked.astype(x.dtype))
-
-
-def _packed_expert_linear(x: jax.Array, w: LayerView, expert: jax.Array) -> jax.Array:
-    """`expert_linear` on layer `w.index` of a packed expert stack (panels [L, E, P, in, 16]):
-    one native matmul call per tile, on the stack viewed as [L * E, in, out], row
-    index * E + expert (no copy of a weight); the XLA gather-and-dot on the unpacked layer
-    when the step has more than `cpu_linear.MAX_TOKENS` rows, where that was faster
-    (benchmarks/moe.py)."""
-    stack = w.stack
-    L, E = stack.panels.shape[:2]
-    n_tiles, m, _ = x.shape
-    if n_tiles * m > cpu_linear.MAX_TOKENS:
-        layer = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, w.index, 0, False), stack)
-        return expert_linear(x, cpu_linear.unpack(layer), expert)
-    flat = cpu_linear.PackedWeight(stack.panels.reshape(L * E, *stack.panels.shape[2:]), stack.n)
-    rows = w.index * E + expert  # [n_tiles]
-    y = jax.lax.map(lambda a: cpu_linear.matmul(a[0], flat, a[1]), (x, rows))
-    return y.astype(x.dtype)  # [n_tiles, m, out]

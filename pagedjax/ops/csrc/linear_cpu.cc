@@ -27,6 +27,11 @@
 // shape bucket passes its number of real tokens); the rows past it are written as zeros.
 // Work items are spread over XLA's intra-op thread pool.
 //
+// A second handler, GroupedLinear, is the grouped matmul of a mixture-of-experts layer: tiles
+// of rows sorted by expert, each run of one expert's tiles multiplied by that expert's
+// panels read in place from the [L, E, ...] stack (pagedjax/ops/cpu_linear.py
+// `grouped_matmul`), every run's work items in one spread over the threads.
+//
 // Built on first use by pagedjax/ops/cpu_kernels.py (g++ -O3, the flags of an ISA path).
 
 #include <algorithm>
@@ -166,6 +171,43 @@ void RunItem(const Problem& p, int64_t m_lo, int64_t m_hi, int64_t j0, int64_t c
 
 using pagedjax::ParallelFor;
 
+// Packs x into p.xp: serially for a decode-sized problem, else over the threads.
+void PackAll(ffi::ThreadPool& pool, Problem& p) {
+  const int64_t blocks = (p.M + MR - 1) / MR;
+  p.xp.assign(blocks * MR * p.K, 0.0f);
+  if (p.M <= MC) {
+    for (int64_t b = 0; b < blocks; ++b) PackBlock(p, b);
+  } else {  // prefill-sized: packing x is worth spreading over the threads too
+    ParallelFor(pool, (blocks + 7) / 8, [&](int64_t i) {
+      for (int64_t b = 8 * i; b < std::min(blocks, 8 * i + 8); ++b) PackBlock(p, b);
+    });
+  }
+}
+
+// Sets p's work items (item_rows, item_cols, col_items) for `threads` threads; returns
+// their number.
+int64_t PlanItems(Problem& p, int64_t threads) {
+  if (p.M <= MC) {
+    // Decode-sized: all rows in each item; narrow items when W has few columns, so that
+    // every thread gets several (load balance).
+    p.item_rows = p.M;
+    p.item_cols = NR * PW * std::clamp<int64_t>(p.N / (NR * PW * 8 * threads), 1, NP / PW);
+  } else {
+    // Prefill-sized: items of MC rows x NCP columns, so that a KC x MC block of x, in L2,
+    // serves NCP / NR / PW micro-tile columns before the next is read.
+    p.item_rows = MC;
+    p.item_cols = std::min<int64_t>(NCP, (p.N + NR * PW - 1) / (NR * PW) * NR * PW);
+  }
+  p.col_items = (p.N + p.item_cols - 1) / p.item_cols;
+  return p.col_items * ((p.M + p.item_rows - 1) / p.item_rows);
+}
+
+// Work item i of PlanItems' plan.
+void RunPlanned(const Problem& p, int64_t i) {
+  const int64_t j0 = (i % p.col_items) * p.item_cols, m0 = (i / p.col_items) * p.item_rows;
+  RunItem(p, m0, std::min(p.M, m0 + p.item_rows), j0, std::min(p.item_cols, p.N - j0));
+}
+
 ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                   ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> rows,
                   ffi::ResultBuffer<ffi::F32> y) {
@@ -190,32 +232,60 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
     std::fill(p.y, p.y + p.M * p.N, 0.0f);
     return ffi::Error::Success();
   }
-  const int64_t blocks = (p.M + MR - 1) / MR;
-  p.xp.assign(blocks * MR * p.K, 0.0f);
-  if (p.M <= MC) {
-    for (int64_t b = 0; b < blocks; ++b) PackBlock(p, b);
-  } else {  // prefill-sized: packing x is worth spreading over the threads too
-    ParallelFor(pool, (blocks + 7) / 8, [&](int64_t i) {
-      for (int64_t b = 8 * i; b < std::min(blocks, 8 * i + 8); ++b) PackBlock(p, b);
-    });
+  PackAll(pool, p);
+  const int64_t items = PlanItems(p, std::max<int64_t>(pool.num_threads(), 1));
+  ParallelFor(pool, items, [&p](int64_t i) { RunPlanned(p, i); });
+  return ffi::Error::Success();
+}
+
+// The grouped matmul of a mixture-of-experts layer: y[t] = x[t] @ W[layer, expert[t]] for
+// tiles t of m rows. Consecutive tiles of one expert are one problem (the expert's rows of
+// the step, read against its weight once); the problems' work items share one ParallelFor,
+// so that both threads stay busy however the rows fall. A tile whose expert is outside
+// [0, E) (assignments to experts held on another device) is written as zeros. Each output
+// element is the same chain of fused multiply-adds as Linear's: a row's result does not
+// depend on the other rows of its tile, its group or its step.
+ffi::Error GroupedLinear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                         ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> expert,
+                         ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions();
+  auto wd = w.dimensions();
+  if (xd.size() != 3 || wd.size() != 5 || expert.dimensions().size() != 1)
+    return ffi::Error::InvalidArgument("grouped linear: bad ranks");
+  const int64_t l = layer.typed_data()[0];
+  if (l < 0 || l >= wd[0]) return ffi::Error::InvalidArgument("grouped linear: layer out of range");
+  const int64_t tiles = xd[0], m = xd[1], K = xd[2], E = wd[1], N = y->dimensions()[2];
+  if (expert.dimensions()[0] != tiles || wd[3] != K || wd[4] != NR || wd[2] * NR < N)
+    return ffi::Error::InvalidArgument("grouped linear: bad pre-packed weight shape");
+  const int32_t* ex = expert.typed_data();
+  const int64_t expert_floats = wd[2] * wd[3] * wd[4];
+  std::vector<Problem> groups;
+  for (int64_t t0 = 0; t0 < tiles;) {
+    int64_t t1 = t0 + 1;
+    while (t1 < tiles && ex[t1] == ex[t0]) ++t1;
+    float* yt = y->typed_data() + t0 * m * N;
+    if (ex[t0] < 0 || ex[t0] >= E || K == 0) {
+      std::fill(yt, yt + (t1 - t0) * m * N, 0.0f);
+    } else if (m > 0 && N > 0) {
+      Problem& p = groups.emplace_back();
+      p.x = x.typed_data() + t0 * m * K;
+      p.w = w.typed_data() + (l * E + ex[t0]) * expert_floats;
+      p.y = yt;
+      p.M = (t1 - t0) * m;
+      p.K = K;
+      p.N = N;
+    }
+    t0 = t1;
   }
   const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
-  if (p.M <= MC) {
-    // Decode-sized: all rows in each item; narrow items when W has few columns, so that
-    // every thread gets several (load balance).
-    p.item_rows = p.M;
-    p.item_cols = NR * PW * std::clamp<int64_t>(p.N / (NR * PW * 8 * threads), 1, NP / PW);
-  } else {
-    // Prefill-sized: items of MC rows x NCP columns, so that a KC x MC block of x, in L2,
-    // serves NCP / NR / PW micro-tile columns before the next is read.
-    p.item_rows = MC;
-    p.item_cols = std::min<int64_t>(NCP, (p.N + NR * PW - 1) / (NR * PW) * NR * PW);
+  std::vector<int64_t> first_item(groups.size() + 1, 0);
+  for (size_t g = 0; g < groups.size(); ++g) {
+    PackAll(pool, groups[g]);
+    first_item[g + 1] = first_item[g] + PlanItems(groups[g], threads);
   }
-  p.col_items = (p.N + p.item_cols - 1) / p.item_cols;
-  const int64_t items = p.col_items * ((p.M + p.item_rows - 1) / p.item_rows);
-  ParallelFor(pool, items, [&p](int64_t i) {
-    const int64_t j0 = (i % p.col_items) * p.item_cols, m0 = (i / p.col_items) * p.item_rows;
-    RunItem(p, m0, std::min(p.M, m0 + p.item_rows), j0, std::min(p.item_cols, p.N - j0));
+  ParallelFor(pool, first_item.back(), [&](int64_t i) {
+    const size_t g = std::upper_bound(first_item.begin(), first_item.end(), i) - first_item.begin() - 1;
+    RunPlanned(groups[g], i - first_item[g]);
   });
   return ffi::Error::Success();
 }
@@ -233,3 +303,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LinearCpu, Linear,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer []
                                   .Arg<ffi::Buffer<ffi::S32>>()  // rows []: rows of x to multiply
                                   .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GroupedLinearCpu, GroupedLinear,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [tiles, m, K]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // w [L, E, ceil(N / 16), K, 16]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer []
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // expert [tiles]
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // y [tiles, m, N]
