@@ -226,6 +226,22 @@ def test_tie_choice_matches_torch_topk_on_random_ties(E, k):
     assert (np.diff(picked, axis=-1) <= 0).all()
 
 
+@pytest.mark.parametrize("n", [2, 3, 8, 32, 60])
+def test_small_top_k_equals_lax_top_k(n):
+    """The router's one-at-a-time top-k equals `jax.lax.top_k` (values and indices, equal
+    values by ascending index) on rows full of ties, for every k it handles, and with -inf."""
+    from pagedjax.models.router_topk import SMALL_K, top_k
+
+    rng = np.random.default_rng(n)
+    vals = (np.round(rng.random((40, n)) * 4) / 4).astype(np.float32)
+    vals[0] = 0.5  # all equal
+    vals[1, ::2] = -np.inf
+    for k in range(1, min(n, SMALL_K) + 1):
+        got = jax.jit(top_k, static_argnums=1)(jnp.asarray(vals), k)
+        want = jax.lax.top_k(jnp.asarray(vals), k)
+        assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1]), k
+
+
 @pytest.mark.parametrize("A,E", [(1, 8), (16, 8), (16, 33), (512, 8), (512, 32), (4096, 128)])
 def test_tile_layout(A, E):
     """Every tile holds one group's assignments; rows computed <= 1.5 x A + one tile."""
