@@ -5,19 +5,22 @@ parameters on the standard workload.
     python -m benchmarks.moe [--out benchmarks/results/moe.json] [--skip-workload]
 
 1. Experts sweep: `models.moe_layer.moe_block` (router included) at fixed top-2 and fixed
-   active parameters (D=256, Fe=512 per expert) for E = 8, 16, 32, at a decode-sized step
-   (T=16 tokens) and a prefill-sized one (T=512): XLA's cost-analysis FLOPs of the compiled
-   block and its median wall time. The goal: the 32-expert block costs at most 1.5x the
-   8-expert one.
+   active parameters (D=256, Fe=512 per expert: 1.57 MB of float32 weights) for E = 8, 16,
+   32, at decode-sized steps (T=16 and 64 tokens) and a prefill-sized one (T=512): XLA's
+   cost-analysis FLOPs of the compiled block, its median wall time, and the number of
+   distinct experts the step's tokens chose; on the engine's CPU path (packed stacks, the
+   native grouped matmul) and on XLA's (plain stacks). The goal: the 32-expert block costs
+   at most 1.5x the 8-expert one. (A step that chooses more distinct experts must read more
+   weight bytes: at 16 tokens, 32 assignments touch all 8 of 8 experts but about 20 of 32.)
 2. One expert matmul of sorted rows three ways: the grouped matmul (XLA: each tile's expert
    weight gathered, a batched dot), `jax.lax.ragged_dot` (on XLA's CPU backend it computes
-   every expert over every row, FLOPs x E), and the native CPU matmul (`ops.cpu_linear`, one
-   call per tile reading the tile's expert in place from a packed stack), at decode-sized
+   every expert over every row, FLOPs x E), and the native grouped matmul
+   (`ops.cpu_linear.grouped_matmul`, one call reading each expert in place), at decode-sized
    (1, 8, 32 tokens) and prefill-sized (256) steps.
 3. Workload: random Mixtral (8 experts, top-2, Fe = 512) and Llama (F = 1024: the same active
    MLP parameters) checkpoints, 4 layers, D = 256, SmolLM2's vocabulary size, through the
    engine on `workloads/standard.json`'s request shapes (64 requests, greedy, EOS ignored);
-   output tokens per second, A and B alternating.
+   output tokens per second, A and B alternating, after one untimed run of each.
 """
 
 from __future__ import annotations
@@ -48,9 +51,24 @@ def _timed(fn, *args, reps: int = 20) -> float:
     return median(times)
 
 
-def experts_sweep(tokens: int, k: int = 2, reps: int = 20) -> list[dict]:
+def _native_stack(w: jax.Array):
+    """An [E, D, F] expert stack as the engine holds it under linear_backend="cpu": layer 0
+    of a packed [1, E, ...] stack, read in place by the native grouped matmul."""
+    from pagedjax.ops.linear import LayerView
+
+    E, K, N = w.shape
+    p = cpu_linear.pack(w)
+    stack = cpu_linear.PackedWeight(p.panels.reshape(1, E, *p.panels.shape[1:]), p.n)
+    return LayerView(stack, jnp.asarray(0, jnp.int32))
+
+
+def experts_sweep(tokens: int, backend: str, k: int = 2, reps: int = 20) -> list[dict]:
     """The MoE block (router included) for E = 8, 16, 32: FLOPs, and wall times taken
-    interleaved (one call of each E per round) so that a busy machine slows all alike."""
+    interleaved (one call of each E per round) so that a busy machine slows all alike.
+    backend "xla": plain stacks (the grouped matmul gathers each tile's expert weight);
+    "native": packed stacks through the native grouped matmul (the engine's CPU path).
+    `distinct_experts`: the experts the step's tokens chose (each read once by the native
+    kernel: its weight bytes are `expert_mb` each)."""
     from pagedjax.models.moe_layer import moe_block, route
 
     rng = np.random.default_rng(0)
@@ -68,25 +86,31 @@ def experts_sweep(tokens: int, k: int = 2, reps: int = 20) -> list[dict]:
         }
         router = jnp.asarray(rng.normal(0, 0.05, (D, E)), jnp.float32)
         x = jnp.asarray(rng.normal(size=(tokens, D)), jnp.float32)
+        distinct = len(np.unique(np.asarray(route(x, router, k, True)[0])))
+        if backend == "native":
+            w = {name: _native_stack(a) for name, a in w.items()}
         fn = jax.jit(block)
         flops = fn.lower(w, router, x).compile().cost_analysis()["flops"]
         jax.block_until_ready(fn(w, router, x))
-        runs.append((E, fn, (w, router, x), flops, []))
+        runs.append((E, fn, (w, router, x), flops, distinct, []))
     for _ in range(reps):
-        for _, fn, args, _, times in runs:
+        for _, fn, args, _, _, times in runs:
             t0 = time.perf_counter()
             jax.block_until_ready(fn(*args))
             times.append(time.perf_counter() - t0)
     out = [
         dict(
+            backend=backend,
             num_experts=E,
             tokens=tokens,
             top_k=k,
             flops=flops,
             active_flops=2 * 3 * tokens * k * D * FE,
+            distinct_experts=distinct,
+            expert_mb=3 * D * FE * 4 / 1e6,
             step_ms=1e3 * median(times),
         )
-        for E, _, _, flops, times in runs
+        for E, _, _, flops, distinct, times in runs
     ]
     base = out[0]
     for r in out:
@@ -122,15 +146,14 @@ def grouped_vs_ragged(tokens: int, E: int = 8, k: int = 2) -> dict:
     np.testing.assert_allclose(jax.jit(grouped)(*args), want, rtol=2e-4, atol=2e-3)
     variants = [("grouped", grouped, args), ("ragged_dot", ragged, args)]
     if cpu_kernels.available():
-        # the native matmul reads each tile's expert in place from a packed [E, D, Fe] stack
-        # (one kernel call per tile), instead of XLA's gather of the tiles' weights
-        packed = jax.jit(cpu_linear.pack)(w)
+        # the native grouped matmul reads each expert's rows against its weight in place
+        # from a packed stack (one kernel call), instead of XLA's gather of the tiles' weights
+        packed = _native_stack(w)
 
         def native(x, packed, group):
             _, dest, tile_group = group_layout(group, E, m, n_tiles)
             rows = jnp.zeros((n_tiles * m, D), x.dtype).at[dest].set(x).reshape(n_tiles, m, D)
-            y = jax.lax.map(lambda t: cpu_linear.matmul(t[0], packed, t[1]), (rows, tile_group))
-            return y.reshape(-1, FE)[dest]
+            return expert_linear(rows, packed, tile_group).reshape(-1, FE)[dest]
 
         np.testing.assert_allclose(jax.jit(native)(x, packed, group), want, rtol=2e-4, atol=2e-3)
         variants.append(("native", native, (x, packed, group)))
@@ -184,6 +207,8 @@ def workload(reps: int) -> dict:
         )
         for name in ("mixtral", "llama")
     }
+    for llm in llms.values():  # compile the step shapes outside the timed runs
+        llm.generate(prompts, params, use_tqdm=False)
     times: dict[str, list[float]] = {name: [] for name in llms}
     for _ in range(reps):
         for name, llm in llms.items():  # alternating
@@ -208,7 +233,13 @@ def main(argv=None) -> dict:
     ns = ap.parse_args(argv)
     result = {
         "environment": environment(),
-        "experts_sweep": experts_sweep(16) + experts_sweep(512),
+        "experts_sweep": [
+            row
+            for backend in ("native", "xla")
+            if backend == "xla" or cpu_kernels.available()
+            for tokens in (16, 64, 512)
+            for row in experts_sweep(tokens, backend)
+        ],
         "grouped_vs_ragged_dot": [grouped_vs_ragged(t) for t in (1, 8, 32, 256)],
     }
     if not ns.skip_workload:
