@@ -8,7 +8,8 @@ one decode row to 192 tokens, past the 128 where XLA's dot would take over witho
 computed from a different chunk boundary).
 Each target's greedy tokens and top-5 logprobs at every output position must be bit-identical
 to its run alone: every row of a step is reduced in the same order whatever the step's size
-(the native matmul at every step size, the native attention per query row)."""
+(the native matmul at every step size, the native attention per query row), for a dense
+model and a mixture-of-experts one."""
 
 from __future__ import annotations
 
@@ -69,8 +70,23 @@ def test_row_sum_is_the_sum_and_the_same_bits_in_any_batch(D):
         assert np.array_equal(np.asarray(f(x[rows])), whole[rows])
 
 
-def test_logprobs_do_not_depend_on_the_batch(make_llm, tiny_llama_dir):
-    llm = make_llm(tiny_llama_dir, max_model_len=256, max_num_seqs=48, max_num_batched_tokens=192)
+@pytest.fixture(scope="module")
+def tiny_mixtral_dir(tmp_path_factory):
+    from conftest import make_checkpoint, randomize_norms
+    from test_moe import CASES
+
+    folder = make_checkpoint(tmp_path_factory.mktemp("mixtral"), **CASES["mixtral"])
+    randomize_norms(folder, seed=3)
+    return folder
+
+
+@pytest.mark.parametrize("model", ["llama", "mixtral"])
+def test_logprobs_do_not_depend_on_the_batch(make_llm, request, model):
+    """A dense model, and a mixture-of-experts one (8 experts, top-2: steps of up to 384
+    (token, expert) rows through the native grouped matmul, which reduces each row as the
+    native matmul does whatever its tile, group or step)."""
+    folder = request.getfixturevalue(f"tiny_{model}_dir")
+    llm = make_llm(folder, max_model_len=256, max_num_seqs=48, max_num_batched_tokens=192)
     cfg = llm.llm_engine.config.model_config
     assert (cfg.attention_backend, cfg.linear_backend) == ("cpu", "cpu")
     rng = np.random.default_rng(22)
