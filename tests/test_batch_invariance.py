@@ -9,7 +9,7 @@ computed from a different chunk boundary).
 Each target's greedy tokens and top-5 logprobs at every output position must be bit-identical
 to its run alone: every row of a step is reduced in the same order whatever the step's size
 (the native matmul at every step size, the native attention per query row), for a dense
-model and a mixture-of-experts one."""
+model and a mixture-of-experts one (the latter inside the batch of 40 only)."""
 
 from __future__ import annotations
 
@@ -92,7 +92,8 @@ def test_logprobs_do_not_depend_on_the_batch(make_llm, request, model):
     rng = np.random.default_rng(22)
     targets = _targets(rng)
     alone = [_run(llm, [t])[0] for t in targets]
-    for n_others in (1, 7, 40):
+    # the MoE model: only the batch whose steps pass 128 expert rows (CI time)
+    for n_others in (1, 7, 40) if model == "llama" else (40,):
         others = _others(rng, targets, n_others)
         prompts = others + targets
         order = rng.permutation(len(prompts))  # targets among the others, in random places
