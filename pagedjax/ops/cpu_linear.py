@@ -19,6 +19,10 @@ request's logits do not depend on what else is in its step (the engine's `batch_
 on by default). With `batch_invariant=False` the stack's `max_rows` is `MAX_TOKENS`: a layer
 in a larger step multiplies with XLA's dot, unpacked (`unpack`, a transposing copy small next
 to a dot of that size), whose rounding depends on the step's shape.
+
+`grouped_matmul` is the mixture-of-experts form over a packed [L, E, K, N] expert stack: tiles
+of rows sorted by expert, each run of one expert's tiles against that expert read in place,
+in one call at every step size (`ops.linear.expert_linear`).
 """
 
 from __future__ import annotations
