@@ -24,6 +24,7 @@ from pagedjax.errors import InvalidInputError
 from pagedjax.executor.model_runner import compile_count
 from pagedjax.sampling_params import StructuredOutputsParams as SO
 from pagedjax.structured_output import grammar as grammar_mod
+from pagedjax.structured_output import manager as manager_mod
 
 SCHEMA = {
     "type": "object",
@@ -430,6 +431,7 @@ def test_constraint_is_read_once_when_added(llm, monkeypatch):
         return text_of(so)
 
     monkeypatch.setattr(grammar_mod, "grammar_text", counted)
+    monkeypatch.setattr(manager_mod, "grammar_text", counted)  # the manager's own name for it
     schema = {
         "type": "object",
         "properties": {"k": {"enum": ["once"]}},

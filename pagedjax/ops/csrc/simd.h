@@ -77,11 +77,6 @@ inline float HSum(vf x) {
   return s;
 }
 
-// float8 -> float32 of kVecFloats bytes, in registers, for a format with E exponent bits,
-// M mantissa bits and exponent bias B (e4m3fn: 4, 3, 7; e5m2: 5, 2, 15): a normal number
-// moves its exponent and mantissa bits into float32's fields and rebiases the exponent by an
-// integer add; a subnormal one (exponent 0) is m * 2^(1 - B - M), exact in float32. Inf and
-// NaN bytes are not special-cased (a quantized cache is saturated to finite values).
 // kVecFloats bytes zero-extended to int32 lanes: GCC 12 compiles __builtin_convertvector of a
 // byte vector into byte-by-byte scalar loads and inserts (5x slower over a float8 block than
 // vpmovzxbd), so the x86 paths use the intrinsic.
@@ -119,6 +114,11 @@ inline vi WidenSignedBytes(const void* p) {
 #endif
 }
 
+// float8 -> float32 of kVecFloats bytes, in registers, for a format with E exponent bits,
+// M mantissa bits and exponent bias B (e4m3fn: 4, 3, 7; e5m2: 5, 2, 15): a normal number
+// moves its exponent and mantissa bits into float32's fields and rebiases the exponent by an
+// integer add; a subnormal one (exponent 0) is m * 2^(1 - B - M), exact in float32. Inf and
+// NaN bytes are not special-cased (a quantized cache is saturated to finite values).
 template <int E, int M, int B>
 inline vf Float8ToFloat(const uint8_t* p) {
   const vi x = WidenBytes(p);
