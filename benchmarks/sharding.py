@@ -69,7 +69,7 @@ def run_layout(model: str, name: str, ns) -> dict:
     )
     eng = llm.llm_engine
     replica = getattr(eng, "replicas", [eng])[0]
-    exes = replica.runner._executables
+    exes = replica.runner.steps.executables
     keys = sorted(exes)
     hlo = {f"bucket_{k}": count_collectives(exes[k].as_text()) for k in (keys[0], keys[-1])}
     rng = np.random.default_rng(0)

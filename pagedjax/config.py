@@ -72,6 +72,8 @@ class ModelConfig:
             on load, or an fp8 checkpoint), "awq" | "gptq" (4-bit checkpoints), or "gguf" (a
             GGUF file with its quantized tensors kept in their blocks; a GGUF file with None
             is dequantized on load).
+        enforce_eager: compile each step bucket at its first step instead of at start-up
+            (`executor.step_executables`; vLLM's name: no ahead-of-time graph capture).
     """
 
     model: str
@@ -92,6 +94,7 @@ class ModelConfig:
     cpu_kernel_isa: str = "auto"
     batch_invariant: bool = True
     gguf_activations: str = "float32"
+    enforce_eager: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

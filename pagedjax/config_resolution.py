@@ -157,6 +157,7 @@ def resolve_engine_config(args) -> EngineConfig:
         cpu_kernel_isa=cpu_kernel_isa,
         batch_invariant=bool(args.batch_invariant),
         gguf_activations=args.gguf_activations,
+        enforce_eager=bool(args.enforce_eager),
         download_dir=args.download_dir,
         quantization=quantization,
     )

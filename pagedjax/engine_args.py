@@ -138,6 +138,11 @@ class EngineArgs:
         "Q5_0, Q5_1, Q8_0 blocks; an approximation, see the README).",
         choices=GGUF_ACTIVATIONS,
     )
+    enforce_eager: bool = _field(
+        False,
+        "Compile each step bucket when a step first needs it, not at start-up: a faster start, "
+        "and the first step of each size waits for its compilation (seconds).",
+    )
     max_logprobs: int = _field(20, "Most logprobs / prompt_logprobs a request may ask for.")
     download_dir: str | None = _field(
         None, "Cache folder for model conversions (default ~/.cache/pagedjax)."

@@ -101,7 +101,7 @@ def collectives(runner) -> dict[str, dict[str, int]]:
     whole module's under "module"."""
     import re
 
-    exe = runner._executables[max(runner._executables)]
+    exe = runner.steps.executables[max(runner.steps.executables)]
     kinds = ("all-to-all", "all-gather", "reduce-scatter", "all-reduce", "collective-permute")
     own: dict[str, dict[str, int]] = {}
     calls: dict[str, set[str]] = {}

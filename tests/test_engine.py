@@ -34,7 +34,7 @@ def _assert_idle_and_whole(llm):
 
 @pytest.fixture(scope="module")
 def llm16(make_llm, tiny_llama_dir):
-    return make_llm(tiny_llama_dir, block_size=16)
+    return make_llm(tiny_llama_dir, block_size=16, enforce_eager=False)
 
 
 @pytest.mark.parametrize(
@@ -109,6 +109,27 @@ def test_nothing_compiles_after_warmup(llm16, prompts8):
     llm16.generate(["some text", "more text!"], params[1], use_tqdm=False)
     assert compile_count() == before
     _assert_idle_and_whole(llm16)
+
+
+def test_enforce_eager_compiles_each_bucket_at_its_first_step(make_llm, tiny_llama_dir, prompts8):
+    """`enforce_eager=True`: no step is compiled at start-up; each bucket compiles once, at
+    its first step (here 16 and 64 tokens of the ladder 16 / 32 / 64: decode steps of up to
+    8 rows and 64-token prefill chunks), and the tokens equal the warmed-up engine's."""
+    llm = make_llm(tiny_llama_dir, enforce_eager=True)
+    steps = llm.llm_engine.runner.steps
+    assert steps.executables == {} and sorted(steps.bucket_of) == [16, 32, 64]
+    got = llm.generate([{"prompt_token_ids": p} for p in prompts8], GREEDY, use_tqdm=False)
+    assert sorted(steps.executables) == [16, 64]
+    compiled = dict(steps.executables)
+    again = llm.generate([{"prompt_token_ids": prompts8[-1]}], GREEDY, use_tqdm=False)
+    assert steps.executables.keys() == compiled.keys()
+    assert all(steps.executables[k] is compiled[k] for k in compiled)  # kept, not redone
+    want = make_llm(tiny_llama_dir, enforce_eager=False).generate(
+        [{"prompt_token_ids": p} for p in prompts8], GREEDY, use_tqdm=False
+    )
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert again[0].outputs[0].token_ids == want[-1].outputs[0].token_ids
+    _assert_idle_and_whole(llm)
 
 
 def test_text_prompts_and_detokenized_output(llm16):

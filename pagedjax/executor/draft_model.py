@@ -30,6 +30,7 @@ import jax.numpy as jnp
 
 from pagedjax.config import EngineConfig
 from pagedjax.executor.input_batch import PackedLayout
+from pagedjax.executor.step_executables import abstract
 from pagedjax.models import loader, registry
 from pagedjax.ops import cpu_gguf, cpu_linear, cpu_quant, sampling
 from pagedjax.ops.attention import AttentionMetadata
@@ -164,7 +165,13 @@ class DraftRunner:
         self.static = {k: static[k] for k in ("backend", "tile", "chunk_pages")}
         self.kv_cache = None
         self._exes: dict[int, Any] = {}
+        self._layouts: dict[int, PackedLayout] = {}
         self._copy = None
+        self._propose = jax.jit(
+            propose,
+            static_argnames=("layout", "cfg", "backend", "tile", "chunk_pages", "block_size"),
+            donate_argnames=("kv_cache",),
+        )
 
     def bytes_per_block(self) -> int:
         return draft_bytes_per_block(self.config, self.block_size, self.kv_dtype)
@@ -174,36 +181,37 @@ class DraftRunner:
             self.config, num_blocks, self.block_size, self.kv_dtype, self.plan.kv_cache()
         )
 
-    def warmup(self, layouts: dict[int, PackedLayout], copy_fn, ids_spec) -> None:
-        """Compiles `propose` for every bucket's layout and the block copy of the cache."""
-        rep = self.plan.replicated()
-        kv_spec = tuple(
-            jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in self.kv_cache
-        )
-        fn = jax.jit(
-            propose,
-            static_argnames=("layout", "cfg", "backend", "tile", "chunk_pages", "block_size"),
-            donate_argnames=("kv_cache",),
-        )
-        for key, layout in layouts.items():
-            R = layout.num_rows
-            self._exes[key] = fn.lower(
-                self.params,
-                kv_spec,
-                jax.ShapeDtypeStruct((layout.size,), jnp.int32, sharding=rep),
-                jax.ShapeDtypeStruct((R,), jnp.int32, sharding=rep),
-                jax.ShapeDtypeStruct((R,), jnp.bool_, sharding=rep),
-                layout=layout,
-                cfg=self.cfg,
-                block_size=self.block_size,
-                **self.static,
-            ).compile()
+    def warmup(self, layouts: dict[int, PackedLayout], copy_fn, ids_spec, lazy=False) -> None:
+        """Compiles `propose` for every bucket's layout (`lazy`: each at its first `run`)
+        and the block copy of the cache."""
+        self._layouts = layouts
+        kv_spec = abstract(self.kv_cache)
+        for key in () if lazy else layouts:
+            self._compile(key)
         self._copy = jax.jit(copy_fn, donate_argnums=0).lower(kv_spec, ids_spec, ids_spec).compile()
+
+    def _compile(self, key: int) -> Any:
+        rep = self.plan.replicated()
+        layout = self._layouts[key]
+        R = layout.num_rows
+        self._exes[key] = exe = self._propose.lower(
+            self.params,
+            abstract(self.kv_cache),
+            jax.ShapeDtypeStruct((layout.size,), jnp.int32, sharding=rep),
+            jax.ShapeDtypeStruct((R,), jnp.int32, sharding=rep),
+            jax.ShapeDtypeStruct((R,), jnp.bool_, sharding=rep),
+            layout=layout,
+            cfg=self.cfg,
+            block_size=self.block_size,
+            **self.static,
+        ).compile()
+        return exe
 
     def copy_blocks(self, src, dst) -> None:
         self.kv_cache = self._copy(self.kv_cache, src, dst)
 
     def run(self, key: int, packed, token_ids, kept):
         """Dispatches the bucket's `propose`; returns the [S, K] proposals (on the device)."""
-        out, self.kv_cache = self._exes[key](self.params, self.kv_cache, packed, token_ids, kept)
+        exe = self._exes.get(key) or self._compile(key)
+        out, self.kv_cache = exe(self.params, self.kv_cache, packed, token_ids, kept)
         return out

@@ -4,9 +4,10 @@ It keeps, per request in the batch, only row bookkeeping (its `RequestSpec`, blo
 slot of the device `SamplingState`); the scheduler owns the request's tokens and progress and
 sends each step's token ids and counts (`engine.interface`). It builds each step's padded
 inputs with `BatchBuilder`, and calls one ahead-of-time compiled executable per token
-bucket (`executor.step.step`). Every bucket is compiled at warm-up; a step whose shape has no
-executable raises instead of compiling (after warm-up a compile is a bug), and
-`compile_count()` counts every XLA compilation of the process, so tests can assert none happen.
+bucket (`executor.step_executables`). Every bucket is compiled at warm-up (unless
+`enforce_eager`, where each compiles at its first step); after warm-up a compile is a bug,
+and `compile_count()` counts every XLA compilation of the process, so tests can assert none
+happen.
 
 A step whose scheduler output carries a structured-output `grammar_bitmask` sends it with the
 packed inputs, each row at its sampler row, and sets the packed `use_bitmask` flag; any other
@@ -40,6 +41,7 @@ from pagedjax.executor.draft_model import DraftRunner
 from pagedjax.executor.input_batch import BatchBuilder, SeqInput
 from pagedjax.executor.model_loading import stage_layout
 from pagedjax.executor.request_state import RequestState, bias_row
+from pagedjax.executor.step_executables import StepExecutables
 from pagedjax.ops.kv_cache import (
     KVCache,
     init_kv_cache,
@@ -114,21 +116,6 @@ class ModelRunner:
         # Layer rows of the KV cache: L, or P x the largest stage for uneven stages (the
         # smaller stages' padding rows are allocated, never written).
         self.num_cache_layers = self.stages.padded_num_layers
-        self._jit_step = jax.jit(
-            step_fn.step,
-            static_argnames=(
-                "layout",
-                "cfg",
-                "backend",
-                "tile",
-                "chunk_pages",
-                "max_logprobs",
-                "mesh",
-                "num_microbatches",
-                "stages",
-            ),
-            donate_argnames=("kv_cache", "sampling_state"),
-        )
         self._static = dict(
             cfg=self.arch,
             backend=mc.attention_backend,
@@ -137,12 +124,14 @@ class ModelRunner:
             max_logprobs=self.max_logprobs,
             stages=self.stages if pp > 1 else None,
         )
+        self.steps = StepExecutables(
+            self.builder, plan, self._static, self.num_microbatches, mc.enforce_eager
+        )
         self.num_blocks = 0
         self.kv_cache: KVCache | None = None
         self.sampling_state = jax.jit(
             init_sampling_state, static_argnums=(0, 1), out_shardings=plan.replicated()
         )(self.num_slots, self.arch.vocab_size)
-        self._executables: dict[int, Any] = {}
         self._no_bitmask: dict[int, jax.Array] = {}  # per bucket: all ones, on the device
         self._ops: dict[str, Any] = {}
         self.host_cache: np.ndarray | None = None  # [2, L, num_host_blocks + 1, bs, K, H]
@@ -196,35 +185,6 @@ class ModelRunner:
             )
         return free // per_block
 
-    def _lower_step(self, T: int, kv_spec):
-        M = self.num_microbatches
-        if M:
-            layout = self.builder.microbatch_layout(T, M)
-            shape = (M, layout.size)
-        else:
-            layout = self.builder.layout(T)
-            shape = (layout.size,)
-        packed = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.plan.replicated())
-        bitmask = jax.ShapeDtypeStruct(
-            self._bitmask_shape(layout), jnp.int32, sharding=self.plan.replicated()
-        )
-        return self._jit_step.lower(
-            self.params,
-            kv_spec,
-            self.sampling_state,
-            packed,
-            bitmask,
-            layout=layout,
-            mesh=self.plan.mesh if M or getattr(self.arch, "expert_parallel", False) else None,
-            num_microbatches=M,
-            **self._static,
-        )
-
-    def _bitmask_shape(self, layout) -> tuple[int, int]:
-        """[sampler rows, ceil(V / 32)]: the step's structured-output bitmask."""
-        rows = layout.num_rows * max(1, self.num_microbatches)
-        return rows, (self.arch.vocab_size + 31) // 32
-
     def _step_bitmask(self, so: SchedulerOutput, batch):
         """The bitmask argument of a step: the scheduler's rows at their sampler rows (and
         the packed flag set), or the bucket's all-ones device array."""
@@ -232,11 +192,11 @@ class ModelRunner:
         if so.grammar_bitmask is None:
             ones = self._no_bitmask.get(key)
             if ones is None:
-                shape = self._bitmask_shape(batch.layout)
+                shape = self.steps.bitmask_shape(batch.layout)
                 ones = jax.device_put(np.full(shape, -1, np.int32), self.plan.replicated())
                 self._no_bitmask[key] = ones
             return ones
-        mask = np.full(self._bitmask_shape(batch.layout), -1, np.int32)
+        mask = np.full(self.steps.bitmask_shape(batch.layout), -1, np.int32)
         mask[batch.sample_rows] = so.grammar_bitmask
         flag = batch.layout.offsets["use_bitmask"][0]
         batch.buffer[..., flag] = 1
@@ -249,7 +209,9 @@ class ModelRunner:
             self.num_cache_layers, 2, self.block_size, a.num_key_value_heads, a.head_dim
         )
         kv_spec = (jax.ShapeDtypeStruct(shape, self.kv_dtype, sharding=self.plan.kv_cache()),) * 2
-        compiled = self._lower_step(self.builder.buckets[-1], kv_spec).compile()
+        compiled = self.steps.lower(
+            self.builder.buckets[-1], self.params, kv_spec, self.sampling_state
+        ).compile()
         return int(getattr(compiled.memory_analysis(), "temp_size_in_bytes", 0) or 0)
 
     def allocate_kv_cache(self, num_blocks: int, num_host_blocks: int = 0) -> None:
@@ -287,12 +249,9 @@ class ModelRunner:
 
     # ----------------------------------------------------------------- compilation
 
-    def _layout_key(self, T: int) -> int:
-        M = self.num_microbatches
-        return self.builder.microbatch_layout(T, M).num_tokens if M else T
-
     def warmup(self, use_tqdm: bool = True) -> float:
-        """Compiles the step for every token bucket, and the block and sampling-state
+        """Compiles the step for every token bucket (none under `enforce_eager`: each
+        compiles at its first step, `StepExecutables.get`), and the block and sampling-state
         operations. Returns the seconds it took."""
         assert self.kv_cache is not None, "allocate_kv_cache first"
         t0 = time.perf_counter()
@@ -300,9 +259,10 @@ class ModelRunner:
         kv_spec = tuple(
             jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in self.kv_cache
         )
-        for T in tqdm(buckets, desc="Compiling step buckets", disable=not use_tqdm, leave=False):
-            exe = self._lower_step(T, kv_spec).compile()
-            self._executables[self._layout_key(T)] = exe
+        eager = self.steps.enforce_eager
+        bar = tqdm(buckets, desc="Compiling step buckets", disable=not use_tqdm, leave=False)
+        for T in () if eager else bar:
+            self.steps.compile(T, self.params, self.kv_cache, self.sampling_state)
         rep = self.plan.replicated()
 
         def spec(shape, dtype=jnp.int32):
@@ -312,8 +272,8 @@ class ModelRunner:
         copy = jax.jit(step_fn.copy_blocks, donate_argnums=0)
         self._ops["copy"] = copy.lower(kv_spec, ids, ids).compile()
         if self.draft is not None:
-            layouts = {self._layout_key(T): self.builder.layout(T) for T in buckets}
-            self.draft.warmup(layouts, step_fn.copy_blocks, ids)
+            layouts = {self.steps.layout_key(T): self.builder.layout(T) for T in buckets}
+            self.draft.warmup(layouts, step_fn.copy_blocks, ids, lazy=eager)
         if self.num_host_blocks:
             gather = jax.jit(step_fn.gather_blocks).lower(kv_spec, ids)
             data = spec(gather.out_info.shape, gather.out_info.dtype)
@@ -330,7 +290,10 @@ class ModelRunner:
             self.sampling_state, spec((R,)), spec((R, V), jnp.float32)
         ).compile()
         seconds = time.perf_counter() - t0
-        logger.info("compiled %d step buckets %s in %.1f s", len(buckets), buckets, seconds)
+        if eager:
+            logger.info("enforce_eager: step buckets %s compile at their first steps", buckets)
+        else:
+            logger.info("compiled %d step buckets %s in %.1f s", len(buckets), buckets, seconds)
         return seconds
 
     # ----------------------------------------------------------------- requests
@@ -428,9 +391,9 @@ class ModelRunner:
             return ModelRunnerOutput({}, {}, prepare_s=time.perf_counter() - t0)
         seqs = [self.requests[s.req_id].seq_input(s) for s in so.scheduled]
         batch = self.builder.build_step(seqs, self.num_microbatches)
-        exe = self._executables.get(batch.layout.num_tokens)
-        if exe is None:
-            raise RuntimeError(f"no compiled step for {batch.layout}; warm up first")
+        exe = self.steps.get(
+            batch.layout.num_tokens, self.params, self.kv_cache, self.sampling_state
+        )
         bitmask = self._step_bitmask(so, batch)
         t1 = time.perf_counter()
         out, self.kv_cache, self.sampling_state = exe(
