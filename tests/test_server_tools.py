@@ -143,29 +143,27 @@ def test_tool_choice_required_is_forced_and_read(tokenizer):
 
 
 def test_a_required_reply_cut_by_length_keeps_its_complete_calls(tokenizer):
-    """max_tokens cuts the array inside its third call: the two complete calls come back, as
-    the stream sent them, with finish_reason "length" (the stream also sent the start of the
-    third once its name was complete); cut inside the first call: content."""
+    """max_tokens cuts the array inside its third call: the two complete calls come back,
+    exactly as the stream sent them (each call whole: nothing of the third), with
+    finish_reason "length"; cut inside the first call: content, streamed as content too."""
     engine, app = _app(tokenizer)
     engine.finish_reason = "length"
     args = '{"city": "Paris", "unit": "c"}'
     two = f'[{{"name": "get_weather", "parameters": {args}}}, {{"name": "now", "parameters": {{}}}}'
     body = {"messages": MSG, "tools": TOOLS, "tool_choice": "required"}
-    for third, streamed_third in [
-        (', {"name": "get_weather", "parameters": {"ci', [["get_weather", '{"ci']]),
-        (', {"name": "no', []),
-    ]:
+    for third in [', {"name": "get_weather", "parameters": {"ci', ', {"name": "no']:
         engine.reply = two + third
         choice = _post(app, CHAT, body).json()["choices"][0]
         assert choice["finish_reason"] == "length" and choice["message"]["content"] is None
         assert _tool_calls(choice["message"]) == [("get_weather", args), ("now", "{}")]
         content, calls, finish, _ = _stream_with_openai(app, body)
         assert (content, finish) == ("", "length")
-        assert calls == [["get_weather", args], ["now", "{}"], *streamed_third]
+        assert calls == [["get_weather", args], ["now", "{}"]]
     engine.reply = '[{"name": "get_weather", "parameters": {"ci'
     choice = _post(app, CHAT, body).json()["choices"][0]
     assert choice["message"] == {"role": "assistant", "content": engine.reply}
     assert choice["finish_reason"] == "length"
+    assert _stream_with_openai(app, body)[:3] == (engine.reply, [], "length")
 
 
 def test_named_tool_choice_is_forced_and_read(tokenizer):

@@ -20,9 +20,10 @@ schema built from the tools, and their output read by `RequiredToolParser` /
 reads the output with the `--tool-call-parser`'s parser; "none" reads nothing. Parsed calls
 come back as `message.tool_calls` with `finish_reason` "tool_calls"; a stream sends them as
 OpenAI's tool-call deltas (`ToolCallStreamer`), which concatenate to the same calls. A forced
-reply cut off by `max_tokens` keeps the calls it completed, with `finish_reason` "length"
-(the stream had sent them already; it has also sent the start of the unfinished call, which
-the whole reply leaves out, its arguments not being complete JSON).
+reply cut off by `max_tokens` keeps the calls it completed, with `finish_reason` "length"; a
+stream of "required" calls sends each call whole once its object closes, so it has sent
+exactly those (a named call streams its arguments as they come, and a cut one is content in
+the whole reply).
 """
 
 from __future__ import annotations

@@ -8,7 +8,9 @@ False), `content` leaves out a tail that may still become a tool-call marker, an
 arguments only grow; so the streamer, diffing each parse against what it has sent, sends
 content fragments, then for each call one delta with its index, id, type and name, then
 argument fragments. The same parse of the finished text gives the non-streamed response, so
-the fragments concatenate to it exactly.
+the fragments concatenate to it exactly. The calls of `tool_choice="required"` are sent
+whole, each when its object closes, so that a reply cut off by the length limit streams
+exactly the complete calls its non-streamed response keeps.
 """
 
 from __future__ import annotations
@@ -48,6 +50,10 @@ class ToolParser:
     # the output is forced by a constraint (tool_choice "required" or a named function), so
     # an output cut off by the length limit is a prefix of the forced JSON
     forced = False
+    # a stream sends each call only once its JSON object has closed (header and whole
+    # arguments in one update), and a final text with no call as content: what the stream
+    # sent is then what `extract` reads from the same text even when it was cut
+    stream_whole_calls = False
 
     def parse(self, text: str, final: bool) -> ParsedOutput:
         raise NotImplementedError
@@ -98,6 +104,7 @@ class RequiredToolParser(ToolParser):
 
     name = "required"
     forced = True
+    stream_whole_calls = True  # a cut reply keeps only its complete calls (`extract`)
 
     def parse(self, text: str, final: bool) -> ParsedOutput:
         calls: list[PartialCall] = []
@@ -172,9 +179,10 @@ class ToolCallStreamer:
         if len(parsed.content) > self.sent_content:
             out.append((parsed.content[self.sent_content :], None))
             self.sent_content = len(parsed.content)
+        whole = self.parser.stream_whole_calls
         for index, call in enumerate(parsed.calls):
-            if call.name is None:
-                break  # a call is announced only with its name, and in order
+            if call.name is None or (whole and not call.complete):
+                break  # a call is announced only with its name (or whole), and in order
             if index == len(self.sent_args):
                 header = DeltaToolCall(
                     index=index,
@@ -189,4 +197,7 @@ class ToolCallStreamer:
                 delta = DeltaToolCall(index=index, function=DeltaFunctionCall(arguments=fragment))
                 out.append((None, delta))
                 self.sent_args[index] = len(call.arguments)
+        if whole and final and not self.tools_called and len(text) > self.sent_content:
+            out.append((text[self.sent_content :], None))  # no call completed: content
+            self.sent_content = len(text)
         return out
