@@ -320,6 +320,27 @@ def test_late_compile_error_ends_only_that_request(llm, hf_greedy_cache):
     _assert_pool_whole(llm)
 
 
+def test_llguidance_tokenizer_is_built_at_start_up(make_llm, tiny_llama_dir, monkeypatch):
+    """The llguidance tokenizer (whose conversion holds the GIL) is built once, on the pool,
+    when the engine starts: a first constrained request then builds nothing on its way in.
+    (Before, the first constrained request started it, stalling the running streams.)"""
+    from pagedjax.structured_output import manager as manager_mod
+
+    built = []
+    real = manager_mod.StructuredOutputManager._build_tokenizer
+    monkeypatch.setattr(
+        manager_mod.StructuredOutputManager,
+        "_build_tokenizer",
+        lambda self: built.append(1) or real(self),
+    )
+    llm = make_llm(tiny_llama_dir, block_size=4)
+    mgr = llm.llm_engine.structured_output
+    assert mgr._tokenizer.result(timeout=30) is not None and built == [1]
+    sp = SamplingParams(temperature=0, max_tokens=4, structured_outputs=SO(regex="a[0-9]{2}"))
+    (out,) = llm.generate([{"prompt_token_ids": [20, 21]}], sp, use_tqdm=False)
+    assert re.fullmatch("a[0-9]{2}", out.outputs[0].text) and built == [1]
+
+
 def test_slow_grammar_waits_alone(llm, monkeypatch):
     """While one request's grammar compiles (held here until released), another request keeps
     receiving a token every step; the held request then runs constrained. The Prometheus

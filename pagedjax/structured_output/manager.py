@@ -4,14 +4,17 @@ Compilation: the first request with a given constraint submits its grammar to a 
 (llguidance drops the GIL while it compiles); later requests with an equal constraint (the same
 `grammar.grammar_text`, built once per request when it is validated) share the cached future
 (an LRU of `CACHE_SIZE` grammars). The llguidance tokenizer (the engine's Hugging Face
-tokenizer, as `llguidance.LLTokenizer`) is built once per engine, on the pool, when the first
-constrained request arrives. A request waits in the scheduler until its grammar is ready
-(vLLM's WAITING_FOR_FSM), so a slow grammar delays only itself. The pool's threads run at a
-lower CPU priority (nice + `WORKER_NICENESS`, Linux) so that, where cores are few, a long
-compilation takes less CPU from the steps' threads. (Not SCHED_IDLE: a compile thread of that
-class, starved while it holds the GIL, stalled the engine thread; on 2 cores busy with 8
-streams their slowest step while a 400-object schema compiled was 3.9-5.5x the median step,
-against 1.8-2.2x at nice + 10 or + 19.)
+tokenizer, as `llguidance.LLTokenizer`) is built once per engine, on the pool, when the
+manager is created (during the engine's warm-up: the conversion holds the GIL, so built at
+the first constrained request it stalled the running streams for its 0.4 s). A request
+waits in the scheduler until its grammar is ready (vLLM's WAITING_FOR_FSM), so a slow
+grammar delays only itself. The pool's threads run at a lower CPU priority (nice +
+`WORKER_NICENESS`, Linux) so that, where cores are few, a long compilation takes less CPU
+from the steps' threads. (Not SCHED_IDLE: a compile thread of that class, starved while it
+holds the GIL, stalled the engine thread; on 2 cores busy with 8 streams their slowest step
+while a 400-object schema compiled was 3.9-5.5x the median step, against 1.8-2.3x at nice
++ 10 or + 19. What remains is in the steps' device phase, their host phases unchanged: the
+compile shares the two cores and the memory bus with XLA's threads, not the GIL.)
 
 Bitmask: each step, `fill_bitmask` gives the scheduled rows a [rows, ceil(V / 32)] int32 mask
 (bit j of word w allows token 32 w + j; llguidance's layout); unconstrained rows and rows that
@@ -85,7 +88,11 @@ class StructuredOutputManager:
         self._pool = concurrent.futures.ThreadPoolExecutor(
             workers, "pagedjax-grammar", initializer=_lower_priority
         )
-        self._tokenizer: concurrent.futures.Future | None = None
+        # built now, on the pool, while the engine warms up: llguidance's conversion of a
+        # Hugging Face tokenizer holds the GIL throughout (0.4 s of the 0.65 s it takes for
+        # the default model's 49,152 tokens), so built at the first constrained request it
+        # stalled every running stream's next step by that much
+        self._tokenizer = self._pool.submit(self._build_tokenizer)
         self._executor: llg.LLExecutor | None = None
         self._cache: collections.OrderedDict = collections.OrderedDict()
         self._lock = threading.Lock()
@@ -131,8 +138,6 @@ class StructuredOutputManager:
         text = grammar_text(so) if text is None else text
         key = (so.kind, text)
         with self._lock:
-            if self._tokenizer is None:
-                self._tokenizer = self._pool.submit(self._build_tokenizer)
             fut = self._cache.get(key)
             if fut is None or (fut.done() and fut.exception() is not None):
                 fut = self._pool.submit(self._compile, text)
