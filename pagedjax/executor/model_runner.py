@@ -41,7 +41,7 @@ from pagedjax.executor.draft_model import DraftRunner
 from pagedjax.executor.input_batch import BatchBuilder, SeqInput
 from pagedjax.executor.model_loading import stage_layout
 from pagedjax.executor.request_state import RequestState, bias_row
-from pagedjax.executor.step_executables import StepExecutables
+from pagedjax.executor.step_executables import StepExecutables, abstract
 from pagedjax.ops.kv_cache import (
     KVCache,
     init_kv_cache,
@@ -250,51 +250,69 @@ class ModelRunner:
     # ----------------------------------------------------------------- compilation
 
     def warmup(self, use_tqdm: bool = True) -> float:
-        """Compiles the step for every token bucket (none under `enforce_eager`: each
-        compiles at its first step, `StepExecutables.get`), and the block and sampling-state
-        operations. Returns the seconds it took."""
+        """Compiles the step for every token bucket, and the block and sampling-state
+        operations (under `enforce_eager` none of these: each compiles at its first use,
+        `StepExecutables.get` and `_op`). Returns the seconds it took."""
         assert self.kv_cache is not None, "allocate_kv_cache first"
         t0 = time.perf_counter()
         buckets = self.builder.buckets
-        kv_spec = tuple(
-            jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in self.kv_cache
-        )
         eager = self.steps.enforce_eager
         bar = tqdm(buckets, desc="Compiling step buckets", disable=not use_tqdm, leave=False)
         for T in () if eager else bar:
             self.steps.compile(T, self.params, self.kv_cache, self.sampling_state)
-        rep = self.plan.replicated()
-
-        def spec(shape, dtype=jnp.int32):
-            return jax.ShapeDtypeStruct(shape, dtype, sharding=rep)
-
-        ids = spec((BLOCK_OP_BATCH,))
-        copy = jax.jit(step_fn.copy_blocks, donate_argnums=0)
-        self._ops["copy"] = copy.lower(kv_spec, ids, ids).compile()
         if self.draft is not None:
             layouts = {self.steps.layout_key(T): self.builder.layout(T) for T in buckets}
+            ids = jax.ShapeDtypeStruct(
+                (BLOCK_OP_BATCH,), jnp.int32, sharding=self.plan.replicated()
+            )
             self.draft.warmup(layouts, step_fn.copy_blocks, ids, lazy=eager)
-        if self.num_host_blocks:
-            gather = jax.jit(step_fn.gather_blocks).lower(kv_spec, ids)
-            data = spec(gather.out_info.shape, gather.out_info.dtype)
-            self._ops["gather"] = gather.compile()
-            scatter = jax.jit(step_fn.scatter_blocks, donate_argnums=0)
-            self._ops["scatter"] = scatter.lower(kv_spec, ids, data).compile()
-        R, C, V = STATE_INIT_ROWS, STATE_INIT_TOKENS, self.arch.vocab_size
-        init_rows = jax.jit(init_state_rows, donate_argnums=0)
-        self._ops["init_rows"] = init_rows.lower(
-            self.sampling_state, spec((R,)), spec((R,), jnp.bool_), spec((R, C)), spec((R, C))
-        ).compile()
-        bias_rows = jax.jit(set_bias_rows, donate_argnums=0)
-        self._ops["bias_rows"] = bias_rows.lower(
-            self.sampling_state, spec((R,)), spec((R, V), jnp.float32)
-        ).compile()
+        ops = ("copy", "init_rows", "bias_rows") + (
+            ("gather", "scatter") if self.num_host_blocks else ()
+        )
+        for name in () if eager else ops:
+            self._op(name)
         seconds = time.perf_counter() - t0
         if eager:
             logger.info("enforce_eager: step buckets %s compile at their first steps", buckets)
         else:
             logger.info("compiled %d step buckets %s in %.1f s", len(buckets), buckets, seconds)
         return seconds
+
+    def _op(self, name: str):
+        """The compiled block or sampling-state operation `name` (compiled on first use):
+        "copy" / "gather" / "scatter" of BLOCK_OP_BATCH blocks, "init_rows" / "bias_rows" of
+        STATE_INIT_ROWS sampling-state rows."""
+        op = self._ops.get(name)
+        if op is not None:
+            return op
+        rep = self.plan.replicated()
+
+        def spec(shape, dtype=jnp.int32):
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=rep)
+
+        kv_spec = abstract(self.kv_cache)
+        ids = spec((BLOCK_OP_BATCH,))
+        R, C, V = STATE_INIT_ROWS, STATE_INIT_TOKENS, self.arch.vocab_size
+        if name == "copy":
+            lowered = jax.jit(step_fn.copy_blocks, donate_argnums=0).lower(kv_spec, ids, ids)
+        elif name == "gather":
+            lowered = jax.jit(step_fn.gather_blocks).lower(kv_spec, ids)
+        elif name == "scatter":
+            out = jax.jit(step_fn.gather_blocks).eval_shape(kv_spec, ids)
+            scatter = jax.jit(step_fn.scatter_blocks, donate_argnums=0)
+            lowered = scatter.lower(kv_spec, ids, spec(out.shape, out.dtype))
+        elif name == "init_rows":
+            lowered = jax.jit(init_state_rows, donate_argnums=0).lower(
+                self.sampling_state, spec((R,)), spec((R,), jnp.bool_), spec((R, C)), spec((R, C))
+            )
+        elif name == "bias_rows":
+            lowered = jax.jit(set_bias_rows, donate_argnums=0).lower(
+                self.sampling_state, spec((R,)), spec((R, V), jnp.float32)
+            )
+        else:
+            raise KeyError(name)
+        op = self._ops[name] = lowered.compile()
+        return op
 
     # ----------------------------------------------------------------- requests
 
@@ -305,7 +323,7 @@ class ModelRunner:
             pairs = so.blocks_to_swap_out[i : i + B]
             ids = np.zeros(B, np.int32)
             ids[: len(pairs)] = [d for d, _ in pairs]
-            data = np.asarray(self._ops["gather"](self.kv_cache, ids))
+            data = np.asarray(self._op("gather")(self.kv_cache, ids))
             self.host_cache[:, :, [h for _, h in pairs]] = data[:, :, : len(pairs)]
         for i in range(0, len(so.blocks_to_swap_in), B):
             pairs = so.blocks_to_swap_in[i : i + B]
@@ -315,13 +333,13 @@ class ModelRunner:
                 self.host_cache.shape[:2] + (B,) + self.host_cache.shape[3:], self.host_cache.dtype
             )
             data[:, :, : len(pairs)] = self.host_cache[:, :, [h for h, _ in pairs]]
-            self.kv_cache = self._ops["scatter"](self.kv_cache, ids, data)
+            self.kv_cache = self._op("scatter")(self.kv_cache, ids, data)
         for i in range(0, len(so.blocks_to_copy), B):
             pairs = so.blocks_to_copy[i : i + B]
             src, dst = np.zeros(B, np.int32), np.zeros(B, np.int32)
             src[: len(pairs)] = [a for a, _ in pairs]
             dst[: len(pairs)] = [b for _, b in pairs]
-            self.kv_cache = self._ops["copy"](self.kv_cache, src, dst)
+            self.kv_cache = self._op("copy")(self.kv_cache, src, dst)
             if self.draft is not None:
                 self.draft.copy_blocks(src, dst)
 
@@ -355,7 +373,7 @@ class ModelRunner:
             rows = np.zeros((STATE_INIT_ROWS, self.arch.vocab_size), np.float32)
             for j, (slot, bias) in enumerate(group):
                 slots[j], rows[j] = slot, bias
-            self.sampling_state = self._ops["bias_rows"](self.sampling_state, slots, rows)
+            self.sampling_state = self._op("bias_rows")(self.sampling_state, slots, rows)
 
     def _init_state_rows(self, states: list[tuple[RequestState, tuple[int, ...]]]) -> None:
         """Fills the penalty rows (prompt mask, output counts) of requests entering the batch,
@@ -375,7 +393,7 @@ class ModelRunner:
                     tokens[j, :n] = ids[c0 : c0 + n]
                     pos = np.arange(c0, c0 + n)
                     kinds[j, :n] = np.where(pos < st.spec.num_prompt_tokens, 1, 2)
-                self.sampling_state = self._ops["init_rows"](
+                self.sampling_state = self._op("init_rows")(
                     self.sampling_state, slots, reset, tokens, kinds
                 )
 
