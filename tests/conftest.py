@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -124,6 +126,36 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
 @pytest.fixture(scope="session")
 def compile_cache_dir(tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp("xla-cache"))
+
+
+def run_worker(folder, cache_dir, layouts: str, models: str) -> dict:
+    """tests/sharding_worker.py's report on 8 simulated CPU devices (a subprocess, because
+    XLA_FLAGS must be set before jax is imported): {model: {layout: ...}}."""
+    here = Path(__file__).parent
+    env = dict(os.environ, PYTHONPATH=str(here.parent))
+    proc = subprocess.run(
+        [sys.executable, str(here / "sharding_worker.py"), str(folder), cache_dir, layouts, models],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=1500,
+    )
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("REPORT ")), None)
+    assert line is not None, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(line[len("REPORT ") :])
+
+
+# Device layouts of the 3-layer tiny Llama that test_sharding (tensor, data and pipeline
+# parallelism, int8 under TP) and test_pipeline_stages (uneven stages, a user partition,
+# int8 in padded stages) both read: one worker run serves the two.
+LLAMA3_LAYOUTS = "single,tp2,tp4,dp2,dp2-tp2,pp2,pp2-tp2,pp2-part12,int8,tp2-int8,pp2-int8"
+
+
+@pytest.fixture(scope="session")
+def llama3_report(tmp_path_factory, compile_cache_dir) -> dict:
+    """sharding_worker's report of the 3-layer tiny Llama ("llama-l3") under LLAMA3_LAYOUTS."""
+    folder = tmp_path_factory.mktemp("llama3-layouts")
+    return run_worker(folder, compile_cache_dir, LLAMA3_LAYOUTS, "llama-l3")["llama-l3"]
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,5 @@
 """Runs tiny models under several device layouts on 8 simulated CPU devices and prints a JSON
-report (greedy outputs, per-device shard shapes). Started by tests/test_sharding.py in a
+report (greedy outputs, per-device shard shapes). Started by `conftest.run_worker` in a
 subprocess, because XLA_FLAGS must be set before jax is imported.
 
 Usage: sharding_worker.py FOLDER CACHE_DIR LAYOUTS [MODELS]: each of the comma-separated

@@ -359,7 +359,7 @@ def moe_sharding_report(tmp_path_factory, compile_cache_dir):
     """tests/sharding_worker.py on 8 simulated devices: Mixtral (2 layers, 8 experts of 128)
     under TP=2, TP=4, EP=2, EP=4, EP=2 x PP=2 and int8 under EP=2; a 3-layer Qwen3-MoE
     (layer 1 dense) under EP=2 and EP=2 x PP=2, whose stages are uneven (layers 0-1 and 2)."""
-    from test_sharding import run_worker
+    from conftest import run_worker
 
     folder = tmp_path_factory.mktemp("moe-sharded")
     report = run_worker(

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_sharding import run_worker
+from conftest import run_worker
 
 from pagedjax.engine_args import EngineArgs
 from pagedjax.models.layers import REAL_LAYERS, scan_layers
@@ -140,11 +140,12 @@ CASES = {
 
 
 @pytest.fixture(scope="module")
-def report(tmp_path_factory, compile_cache_dir):
-    models = [f"{m}=single+{'+'.join(layouts)}" for m, layouts in CASES.items()]
-    models[0] += "+int8+pp2-int8"  # llama-l3
+def report(tmp_path_factory, compile_cache_dir, llama3_report):
+    """The worker's report of CASES; llama-l3's is conftest's (shared with test_sharding,
+    its layouts including these and int8 / pp2-int8)."""
+    models = [f"{m}=single+{'+'.join(layouts)}" for m, layouts in CASES.items() if m != "llama-l3"]
     folder = tmp_path_factory.mktemp("uneven-stages")
-    return run_worker(folder, compile_cache_dir, "", ",".join(models))
+    return run_worker(folder, compile_cache_dir, "", ",".join(models)) | {"llama-l3": llama3_report}
 
 
 CASE_IDS = [(m, layout) for m, layouts in CASES.items() for layout in layouts]

@@ -5,34 +5,27 @@ and PP=2 against one device (the window table read at the pipeline stage's layer
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+from conftest import run_worker
 
 from pagedjax.ops.quant import LINEAR_WEIGHTS
 from pagedjax.sharding.mesh import device_grid
 from pagedjax.sharding.rules import ShardingPlan
 
-HERE = Path(__file__).parent
-
-# Tiny model: L=2, D=64, N=4 query heads, K=2 KV heads, H=16, F=128, V=320.
+# Tiny model: L=3, D=64, N=4 query heads, K=2 KV heads, H=16, F=128, V=320.
 FULL = {
     "['embed_tokens']": [320, 64],
     "['final_norm']": [64],
     "['lm_head']": [64, 320],
-    "['layers']['input_norm']": [2, 64],
-    "['layers']['post_attn_norm']": [2, 64],
-    "['layers']['q_proj']": [2, 64, 64],
-    "['layers']['k_proj']": [2, 64, 32],
-    "['layers']['v_proj']": [2, 64, 32],
-    "['layers']['o_proj']": [2, 64, 64],
-    "['layers']['gate_proj']": [2, 64, 128],
-    "['layers']['up_proj']": [2, 64, 128],
-    "['layers']['down_proj']": [2, 128, 64],
+    "['layers']['input_norm']": [3, 64],
+    "['layers']['post_attn_norm']": [3, 64],
+    "['layers']['q_proj']": [3, 64, 64],
+    "['layers']['k_proj']": [3, 64, 32],
+    "['layers']['v_proj']": [3, 64, 32],
+    "['layers']['o_proj']": [3, 64, 64],
+    "['layers']['gate_proj']": [3, 64, 128],
+    "['layers']['up_proj']": [3, 64, 128],
+    "['layers']['down_proj']": [3, 128, 64],
 }
 
 
@@ -40,11 +33,12 @@ def expected_shards(tp: int, pp: int = 1) -> dict[str, list[int]]:
     """Per-device shapes, worked out by hand from the rules: under tensor parallelism the
     columns of q/k/v/gate/up, rows of o/down, and the vocab of embedding and head split tp
     ways (k/v stay whole when tp does not divide the 2 KV heads); under pipeline parallelism
-    the stacked layer axis splits pp ways."""
+    the stacked layer axis splits pp ways, each device holding the largest stage's rows (3
+    layers over 2 stages: 2 and 1, both padded to 2)."""
     s = {k: list(v) for k, v in FULL.items()}
     for k in s:
         if k.startswith("['layers']"):
-            s[k][0] //= pp
+            s[k][0] = -(-s[k][0] // pp)
     if tp == 1:
         return s
     s["['embed_tokens']"][0] //= tp
@@ -75,26 +69,9 @@ def prepacked_shapes(shapes: dict[str, list[int]]) -> dict[str, list[int]]:
     return out
 
 
-def run_worker(folder, cache_dir, layouts: str, models: str) -> dict:
-    """tests/sharding_worker.py's report: {model: {layout: ...}}."""
-    env = dict(os.environ, PYTHONPATH=str(HERE.parent))
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "sharding_worker.py"), str(folder), cache_dir, layouts, models],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=1500,
-    )
-    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("REPORT ")), None)
-    assert line is not None, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(line[len("REPORT ") :])
-
-
 @pytest.fixture(scope="module")
-def report(tmp_path_factory, compile_cache_dir):
-    folder = tmp_path_factory.mktemp("tiny-sharded")
-    layouts = "single,tp2,tp4,dp2,dp2-tp2,pp2,pp2-tp2,int8,tp2-int8"
-    return run_worker(folder, compile_cache_dir, layouts, "llama")["llama"]
+def report(llama3_report):
+    return llama3_report  # conftest: one worker run shared with test_pipeline_stages
 
 
 @pytest.fixture(scope="module")
@@ -143,9 +120,9 @@ def test_int8_weights_under_tensor_parallelism(report):
     """Quantized columns split over the tensor axis give the single-device int8 output."""
     assert report["tp2-int8"]["tokens"] == report["int8"]["tokens"]
     params = report["tp2-int8"]["replicas"][0]["params"]
-    assert params["['layers']['q_proj'].qweight"] == [[2, 64, 32]] * 2  # out columns split
-    assert params["['layers']['q_proj'].scales"] == [[2, 32]] * 2
-    assert params["['layers']['o_proj'].qweight"] == [[2, 64, 64]] * 2  # row-parallel: whole
+    assert params["['layers']['q_proj'].qweight"] == [[3, 64, 32]] * 2  # out columns split
+    assert params["['layers']['q_proj'].scales"] == [[3, 32]] * 2
+    assert params["['layers']['o_proj'].qweight"] == [[3, 64, 64]] * 2  # row-parallel: whole
 
 
 @pytest.mark.parametrize(
@@ -175,7 +152,7 @@ def test_per_device_shard_shapes(report, layout, tp, pp, replicas):
         kv_heads = 2 // tp if 2 % tp == 0 else 2
         for shapes in rep["kv"].values():
             assert [s[3] for s in shapes] == [kv_heads] * tp * pp
-            assert all(s[:3] == [2 // pp, 40, 16] and s[4] == 16 for s in shapes)
+            assert all(s[:3] == [-(-3 // pp), 40, 16] and s[4] == 16 for s in shapes)
         assert rep["free_blocks"] == rep["usable_blocks"]
 
 
