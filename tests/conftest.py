@@ -4,10 +4,13 @@ that share one persistent compilation cache per test session."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -150,12 +153,92 @@ def run_worker(folder, cache_dir, layouts: str, models: str) -> dict:
 # int8 in padded stages) both read: one worker run serves the two.
 LLAMA3_LAYOUTS = "single,tp2,tp4,dp2,dp2-tp2,pp2,pp2-tp2,pp2-part12,int8,tp2-int8,pp2-int8"
 
+# The suite's runs of sharding_worker.py: session fixture name -> its (layouts, models) runs,
+# in the order the test files use them. A run is compile-bound on one or two cores; started in
+# the background as soon as collection shows a selected test needs it (one run at a time), it
+# overlaps the in-process tests, whose compilations leave a core idle much of the time.
+WORKER_RUNS = {
+    # Mixtral (2 layers, 8 experts) under TP, EP, EP x PP, int8 under EP; a 3-layer
+    # Qwen3-MoE (layer 1 dense) under EP and EP x PP, whose stages are uneven (0-1 and 2)
+    "moe_sharding_report": [
+        ("single,tp2,tp4,ep2,ep4,ep2-pp2,int8,ep2-int8", "mixtral"),
+        ("single,ep2,ep2-pp2", "qwen3_moe-l3"),
+    ],
+    "llama3_report": [(LLAMA3_LAYOUTS, "llama-l3")],
+    # layer counts the stage count does not divide, and Gemma 3's layer pattern split by a user
+    # partition (test_pipeline_stages.CASES)
+    "uneven_report": [
+        ("", "llama-l5=single+pp2,llama-l6=single+pp4,gemma3-l3=single+pp2-part12"),
+    ],
+    # Qwen3, the windowed Qwen2 and Gemma 3 on one device, TP=2 and PP=2
+    "family_report": [("single,tp2,pp2", "qwen3,qwen2-swa,gemma3")],
+}
+_worker_runs: dict[str, concurrent.futures.Future] = {}
+_worker_root: Path | None = None
+
+
+def _run_all(folder: Path, cache_dir: str, runs) -> dict:
+    report: dict = {}
+    for layouts, models in runs:
+        report.update(run_worker(folder, cache_dir, layouts, models))
+    return report
+
+
+def pytest_collection_finish(session):
+    """Starts the worker runs the selected tests need (`WORKER_RUNS`), in the background."""
+    global _worker_root
+    needed = [
+        name
+        for name in WORKER_RUNS
+        if any(name in getattr(item, "fixturenames", ()) for item in session.items)
+    ]
+    if not needed:
+        return
+    _worker_root = Path(tempfile.mkdtemp(prefix="pagedjax-workers-"))
+    pool = concurrent.futures.ThreadPoolExecutor(1, "sharding-worker")
+    for name in needed:
+        folder = _worker_root / name
+        cache = str(_worker_root / "xla-cache")
+        _worker_runs[name] = pool.submit(_run_all, folder, cache, WORKER_RUNS[name])
+    pool.shutdown(wait=False)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    for fut in _worker_runs.values():
+        fut.cancel()
+    if _worker_root is not None:
+        concurrent.futures.wait(list(_worker_runs.values()))
+        shutil.rmtree(_worker_root, ignore_errors=True)
+
+
+def worker_report(name: str) -> dict:
+    """The report of `WORKER_RUNS[name]` (waits for its background run)."""
+    fut = _worker_runs.get(name)
+    if fut is None:  # collection did not see the fixture (not expected): run it now
+        folder = Path(tempfile.mkdtemp(prefix="pagedjax-worker-"))
+        return _run_all(folder, str(folder / "xla-cache"), WORKER_RUNS[name])
+    return fut.result()
+
 
 @pytest.fixture(scope="session")
-def llama3_report(tmp_path_factory, compile_cache_dir) -> dict:
-    """sharding_worker's report of the 3-layer tiny Llama ("llama-l3") under LLAMA3_LAYOUTS."""
-    folder = tmp_path_factory.mktemp("llama3-layouts")
-    return run_worker(folder, compile_cache_dir, LLAMA3_LAYOUTS, "llama-l3")["llama-l3"]
+def moe_sharding_report() -> dict:
+    return worker_report("moe_sharding_report")
+
+
+@pytest.fixture(scope="session")
+def llama3_report() -> dict:
+    """The 3-layer tiny Llama ("llama-l3") under LLAMA3_LAYOUTS."""
+    return worker_report("llama3_report")["llama-l3"]
+
+
+@pytest.fixture(scope="session")
+def uneven_report() -> dict:
+    return worker_report("uneven_report")
+
+
+@pytest.fixture(scope="session")
+def family_report() -> dict:
+    return worker_report("family_report")
 
 
 @pytest.fixture(scope="session")

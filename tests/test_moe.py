@@ -354,21 +354,6 @@ def test_expert_parallel_needs_experts(tiny_llama_dir, moe_dirs):
 EXPERT_STACKS = ("['layers']['experts_gate']", "['layers']['experts_up']")
 
 
-@pytest.fixture(scope="module")
-def moe_sharding_report(tmp_path_factory, compile_cache_dir):
-    """tests/sharding_worker.py on 8 simulated devices: Mixtral (2 layers, 8 experts of 128)
-    under TP=2, TP=4, EP=2, EP=4, EP=2 x PP=2 and int8 under EP=2; a 3-layer Qwen3-MoE
-    (layer 1 dense) under EP=2 and EP=2 x PP=2, whose stages are uneven (layers 0-1 and 2)."""
-    from conftest import run_worker
-
-    folder = tmp_path_factory.mktemp("moe-sharded")
-    report = run_worker(
-        folder, compile_cache_dir, "single,tp2,tp4,ep2,ep4,ep2-pp2,int8,ep2-int8", "mixtral"
-    )
-    report.update(run_worker(folder, compile_cache_dir, "single,ep2,ep2-pp2", "qwen3_moe-l3"))
-    return report
-
-
 @pytest.mark.parametrize(
     "model,layout",
     [("mixtral", x) for x in ("tp2", "tp4", "ep2", "ep4", "ep2-pp2")]

@@ -6,7 +6,6 @@ and PP=2 against one device (the window table read at the pipeline stage's layer
 from __future__ import annotations
 
 import pytest
-from conftest import run_worker
 
 from pagedjax.ops.quant import LINEAR_WEIGHTS
 from pagedjax.sharding.mesh import device_grid
@@ -72,13 +71,6 @@ def prepacked_shapes(shapes: dict[str, list[int]]) -> dict[str, list[int]]:
 @pytest.fixture(scope="module")
 def report(llama3_report):
     return llama3_report  # conftest: one worker run shared with test_pipeline_stages
-
-
-@pytest.fixture(scope="module")
-def family_report(tmp_path_factory, compile_cache_dir):
-    """Qwen3, the windowed Qwen2 and Gemma 3 on one device, TP=2 and PP=2 (one subprocess)."""
-    folder = tmp_path_factory.mktemp("families-sharded")
-    return run_worker(folder, compile_cache_dir, "single,tp2,pp2", "qwen3,qwen2-swa,gemma3")
 
 
 @pytest.mark.parametrize("layout", ["tp2", "tp4", "dp2", "dp2-tp2", "pp2", "pp2-tp2"])
