@@ -22,9 +22,9 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def server(compile_cache_dir, tmp_path_factory):
-    # No model argument: the default model. The engine settings of test_real_model.py, so
-    # that the session's compilation cache serves both.
-    args = ["--max-model-len", "512", "--max-num-batched-tokens", "256"]
+    # No model argument: the default model. The engine settings of conftest's `smol`, so
+    # that the session's compilation cache serves both (its three step buckets).
+    args = ["--max-model-len", "512", "--max-num-batched-tokens", "64"]
     args += ["--kv-cache-memory-bytes", str(256 << 20), "--compilation-cache-dir"]
     args += [compile_cache_dir, "--disable-log-stats", "--uvicorn-log-level", "warning"]
     log = tmp_path_factory.mktemp("server") / "server.log"
