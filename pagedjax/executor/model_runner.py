@@ -257,7 +257,9 @@ class ModelRunner:
         t0 = time.perf_counter()
         buckets = self.builder.buckets
         eager = self.steps.enforce_eager
-        bar = tqdm(buckets, desc="Compiling step buckets", disable=not use_tqdm, leave=False)
+        bar = tqdm(
+            buckets, desc="Compiling step buckets", disable=not use_tqdm or eager, leave=False
+        )
         for T in () if eager else bar:
             self.steps.compile(T, self.params, self.kv_cache, self.sampling_state)
         if self.draft is not None:
