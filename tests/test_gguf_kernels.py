@@ -283,17 +283,12 @@ def test_real_model_q4_1_kept_greedy_equals_the_dequantized_engine(smol, compile
     """SmolLM2-135M's Q4_1 file kept quantized (native kernel) against the same file
     dequantized to float32: the 5 real-model prompts, 32 greedy tokens. Where the two part,
     the dequantized engine's top-2 logprob gap at that token must be a near-tie (< 1e-3)."""
+    from conftest import SMOL_ENGINE_ARGS
     from test_real_model import PROMPTS
 
     from pagedjax import LLM
 
-    common = dict(
-        max_model_len=512,
-        max_num_batched_tokens=64,
-        kv_cache_memory_bytes=256 << 20,
-        compilation_cache_dir=compile_cache_dir,
-        use_tqdm_on_load=False,
-    )
+    common = dict(SMOL_ENGINE_ARGS, compilation_cache_dir=compile_cache_dir, use_tqdm_on_load=False)
     assert smol.llm_engine.config.model_config.quantization == "gguf"  # kept: the default
     sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=2)
     got = smol.generate(PROMPTS, sp, use_tqdm=False)

@@ -7,6 +7,7 @@ import importlib.util
 
 import openai
 import pytest
+from conftest import SMOL_ENGINE_ARGS
 
 from tests.server_utils import RemoteServer
 
@@ -24,8 +25,8 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 def server(compile_cache_dir, tmp_path_factory):
     # No model argument: the default model. The engine settings of conftest's `smol`, so
     # that the session's compilation cache serves both (its three step buckets).
-    args = ["--max-model-len", "512", "--max-num-batched-tokens", "64"]
-    args += ["--kv-cache-memory-bytes", str(256 << 20), "--compilation-cache-dir"]
+    args = [f"--{k.replace('_', '-')}={v}" for k, v in SMOL_ENGINE_ARGS.items()]
+    args += ["--compilation-cache-dir"]
     args += [compile_cache_dir, "--disable-log-stats", "--uvicorn-log-level", "warning"]
     log = tmp_path_factory.mktemp("server") / "server.log"
     srv = RemoteServer(args, log_path=log)
