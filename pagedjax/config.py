@@ -145,6 +145,9 @@ class SchedulerConfig:
     enable_chunked_prefill: long prompts are prefilled over several steps.
     scheduling_policy: "fcfs" or "priority" (smaller `priority` first).
     preemption_mode: "recompute" (free, recompute later) or "swap" (to host memory and back).
+    cuda_graph_sizes: the step sizes (tokens) compiled besides max_num_batched_tokens, or None
+        for `executor.input_batch.token_buckets`' ladder (vLLM's name; a step is padded to the
+        smallest that holds it).
     """
 
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
@@ -153,8 +156,13 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"
     preemption_mode: str = "recompute"
+    cuda_graph_sizes: tuple[int, ...] | None = None
 
     def __post_init__(self):
+        if self.cuda_graph_sizes is not None and (
+            not self.cuda_graph_sizes or min(self.cuda_graph_sizes) < 1
+        ):
+            raise _bad("cuda_graph_sizes", "sizes >= 1", self.cuda_graph_sizes)
         if self.max_num_seqs < 1:
             raise _bad("max_num_seqs", ">= 1", self.max_num_seqs)
         if self.max_num_batched_tokens < 1:

@@ -48,6 +48,24 @@ def _gguf_quantization(quantization, source, dtype_arg: str, one_device: bool):
     return quantization
 
 
+def _graph_sizes(value) -> tuple[int, ...] | None:
+    """`cuda_graph_sizes` as given (a list of ints, or "1,4,16") -> sorted ints, or None.
+
+    Raises:
+        ValueError: naming the field, for a size that is not a positive integer.
+    """
+    if value is None:
+        return None
+    items = value.split(",") if isinstance(value, str) else list(value)
+    try:
+        sizes = sorted({int(str(v).strip()) for v in items if str(v).strip()})
+    except ValueError:
+        raise _bad("cuda_graph_sizes", "positive integers (e.g. '1,4,16')", value) from None
+    if not sizes or sizes[0] < 1:
+        raise _bad("cuda_graph_sizes", "positive integers (e.g. '1,4,16')", value)
+    return tuple(sizes)
+
+
 def resolve_engine_config(args) -> EngineConfig:
     """Validates engine arguments (an `engine_args.EngineArgs`) and resolves defaults against
     the checkpoint and device.
@@ -189,6 +207,7 @@ def resolve_engine_config(args) -> EngineConfig:
             enable_chunked_prefill=args.enable_chunked_prefill,
             scheduling_policy=args.scheduling_policy,
             preemption_mode=args.preemption_mode,
+            cuda_graph_sizes=_graph_sizes(args.cuda_graph_sizes),
         ),
         parallel_config=ParallelConfig(
             tensor_parallel_size=args.tensor_parallel_size,

@@ -143,6 +143,13 @@ class EngineArgs:
         "Compile each step bucket when a step first needs it, not at start-up: a faster start, "
         "and the first step of each size waits for its compilation (seconds).",
     )
+    cuda_graph_sizes: list[int] | str | None = _field(
+        None,
+        "Step sizes compiled, in tokens, comma-separated (vLLM's name for its captured batch "
+        "sizes; here in every backend): a step runs padded to the smallest size that holds "
+        "it, and max_num_batched_tokens is always one. Default: 1, 4, then powers of two "
+        "from 16. Fewer sizes: fewer compilations, more padding.",
+    )
     max_logprobs: int = _field(20, "Most logprobs / prompt_logprobs a request may ask for.")
     download_dir: str | None = _field(
         None, "Cache folder for model conversions (default ~/.cache/pagedjax)."

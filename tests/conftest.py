@@ -272,12 +272,18 @@ def hf_greedy_cache(tiny_hf):
     return get
 
 
+# The tiny engines' step sizes: powers of two from 16 (the default ladder without its 1 and 4).
+TEST_GRAPH_SIZES = "16,32,64,128,256,512,1024,2048"
+
+
 @pytest.fixture(scope="session")
 def make_llm(compile_cache_dir):
     """Factory for engines on a tiny checkpoint, sharing the session's compilation cache.
     Engines default to `enforce_eager=True` (each step bucket compiles at its first step, so
     a test pays only for the buckets it runs); a test that asserts nothing compiles after
-    warm-up asks for `enforce_eager=False`."""
+    warm-up asks for `enforce_eager=False`. Their step sizes are `TEST_GRAPH_SIZES` (no
+    1- and 4-token buckets: two compilations fewer per engine that decodes few rows; a test
+    of the default ladder passes `cuda_graph_sizes=None`)."""
     from pagedjax import LLM
 
     def make(model, **kw):
@@ -290,6 +296,7 @@ def make_llm(compile_cache_dir):
             use_tqdm_on_load=False,
             disable_log_stats=True,
             enforce_eager=True,
+            cuda_graph_sizes=TEST_GRAPH_SIZES,
         )
         args.update(kw)
         return LLM(str(model), **args)

@@ -17,6 +17,7 @@ def main(folder: str, port: str, process_id: str) -> None:
         dtype="float32",
         max_model_len=128,
         max_num_batched_tokens=16,  # one bucket: prompts are chunked
+        cuda_graph_sizes="16",
         max_num_seqs=8,
         num_gpu_blocks_override=40,
         tensor_parallel_size=2,

@@ -30,6 +30,7 @@ def tiny_server_args(model_dir, compile_cache_dir: str, **overrides) -> list[str
         "--dtype": "float32",
         "--max-model-len": "128",
         "--max-num-batched-tokens": "64",
+        "--cuda-graph-sizes": "16,32",
         "--max-num-seqs": "16",
         "--compilation-cache-dir": compile_cache_dir,
         "--served-model-name": "tiny",

@@ -178,6 +178,7 @@ def run_model(folder: Path, cache_dir: str, layouts: list[str], prompts) -> dict
             dtype="float32",
             max_model_len=128,
             max_num_batched_tokens=16,  # one bucket: prompts are chunked
+            cuda_graph_sizes="16",
             max_num_seqs=16,
             num_gpu_blocks_override=40,
             compilation_cache_dir=cache_dir,

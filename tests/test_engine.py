@@ -113,18 +113,19 @@ def test_nothing_compiles_after_warmup(llm16, prompts8):
 
 def test_enforce_eager_compiles_each_bucket_at_its_first_step(make_llm, tiny_llama_dir, prompts8):
     """`enforce_eager=True`: no step is compiled at start-up; each bucket compiles once, at
-    its first step (here 16 and 64 tokens of the ladder 16 / 32 / 64: decode steps of up to
-    8 rows and 64-token prefill chunks), and the tokens equal the warmed-up engine's."""
-    llm = make_llm(tiny_llama_dir, enforce_eager=True)
+    its first step (of the ladder 1 / 4 / 16 / 32 / 64: 64-token prefill chunks, then decode
+    steps of 8 rows while every request runs, fewer as they finish), is kept, and the tokens
+    equal the warmed-up engine's."""
+    llm = make_llm(tiny_llama_dir, enforce_eager=True, cuda_graph_sizes=None)
     steps = llm.llm_engine.runner.steps
-    assert steps.executables == {} and sorted(steps.bucket_of) == [16, 32, 64]
+    assert steps.executables == {} and sorted(steps.bucket_of) == [1, 4, 16, 32, 64]
     got = llm.generate([{"prompt_token_ids": p} for p in prompts8], GREEDY, use_tqdm=False)
-    assert sorted(steps.executables) == [16, 64]
+    assert {16, 64} <= steps.executables.keys() and 32 not in steps.executables
     compiled = dict(steps.executables)
     again = llm.generate([{"prompt_token_ids": prompts8[-1]}], GREEDY, use_tqdm=False)
-    assert steps.executables.keys() == compiled.keys()
+    assert 1 in steps.executables  # its decode steps: one row
     assert all(steps.executables[k] is compiled[k] for k in compiled)  # kept, not redone
-    want = make_llm(tiny_llama_dir, enforce_eager=False).generate(
+    want = make_llm(tiny_llama_dir, enforce_eager=False, cuda_graph_sizes=None).generate(
         [{"prompt_token_ids": p} for p in prompts8], GREEDY, use_tqdm=False
     )
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
@@ -243,6 +244,32 @@ def test_bad_engine_and_sampling_arguments_name_the_field(make_llm, tiny_llama_d
     args = EngineArgs(model=str(tiny_llama_dir), attention_backend="cpu", tensor_parallel_size=2)
     with pytest.raises(ValueError, match="attention_backend 'cpu' runs on one CPU device"):
         args.create_engine_config()
+
+
+def test_cuda_graph_sizes_set_the_step_buckets(tiny_llama_dir):
+    """`cuda_graph_sizes` (a list, or comma-separated as on the CLI) replaces the default
+    ladder below the token budget, which is always a size; a size that is not a positive
+    integer is a ValueError naming the field."""
+    import argparse
+
+    from pagedjax.executor.input_batch import BatchBuilder
+
+    def sizes(value):
+        args = EngineArgs(model=str(tiny_llama_dir), max_num_batched_tokens=64)
+        args.cuda_graph_sizes = value
+        return args.create_engine_config().scheduler_config.cuda_graph_sizes
+
+    assert sizes(None) is None
+    assert sizes("8, 1") == (1, 8) and sizes([8, 1, 8]) == (1, 8)
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    assert parser.parse_args(["--cuda-graph-sizes", "2,128"]).cuda_graph_sizes == "2,128"
+    for bad in ("0,4", "a", "", [-1]):
+        with pytest.raises(ValueError, match="cuda_graph_sizes"):
+            sizes(bad)
+    common = dict(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=64, block_size=4)
+    assert BatchBuilder(**common, sizes=(1, 8, 128)).buckets == [1, 8, 64]
+    assert BatchBuilder(**common).buckets == [1, 4, 16, 32, 64]
 
 
 def test_auto_attention_backend_is_the_native_kernel_on_one_cpu(llm16):

@@ -9,9 +9,12 @@ from pagedjax.executor.input_batch import BatchBuilder, SeqInput, split_seed, to
 
 
 def test_token_buckets():
-    assert token_buckets(64) == [16, 32, 64]
-    assert token_buckets(100) == [16, 32, 64, 100]
-    assert token_buckets(8) == [8]
+    assert token_buckets(64) == [1, 4, 16, 32, 64]
+    assert token_buckets(100) == [1, 4, 16, 32, 64, 100]
+    assert token_buckets(8) == [1, 4, 8]
+    assert token_buckets(4) == [1, 4]
+    assert token_buckets(1) == [1]
+    assert token_buckets(64, min_bucket=32) == [1, 4, 32, 64]
 
 
 def test_hand_computed_step():
@@ -43,7 +46,7 @@ def test_hand_computed_step():
         ),
     ]
     layout, buf = b.build(seqs)
-    assert (layout.num_tokens, layout.num_seqs, layout.num_block_cols) == (16, 4, 16)
+    assert (layout.num_tokens, layout.num_seqs, layout.num_block_cols) == (4, 4, 16)
     v = layout.views(buf)
     np.testing.assert_array_equal(v["input_ids"][:4], [7, 1, 2, 3])
     np.testing.assert_array_equal(v["positions"][:4], [5, 4, 5, 6])
@@ -51,10 +54,9 @@ def test_hand_computed_step():
     np.testing.assert_array_equal(
         v["slot_mapping"][:4], [9 * 4 + 1, 5 * 4 + 0, 5 * 4 + 1, 5 * 4 + 2]
     )
-    assert not v["slot_mapping"][4:].any() and not v["input_ids"][4:].any()
     np.testing.assert_array_equal(v["seq_lens"], [6, 7, 0, 0])
     np.testing.assert_array_equal(v["query_start_loc"], [0, 1, 4, 4, 4])
-    np.testing.assert_array_equal(v["last_token_index"], [0, 3, 16, 16])
+    np.testing.assert_array_equal(v["last_token_index"], [0, 3, 4, 4])
     np.testing.assert_array_equal(v["block_tables"][0, :3], [3, 9, 0])
     np.testing.assert_array_equal(v["block_tables"][1, :3], [2, 5, 0])
     # The 3-token sequence is cut into tiles of 2 and 1 queries.
@@ -68,6 +70,11 @@ def test_hand_computed_step():
     np.testing.assert_array_equal(v["top_k"], [0, 4, 0, 0])
     np.testing.assert_array_equal(v["seed_lo"], [1, 5, 0, 0])
     np.testing.assert_array_equal(v["seed_hi"], [0, 2**8, 0, 0])
+    # 5 tokens take the 16-token bucket: the padding rows are zeros
+    layout, buf = b.build([*seqs, SeqInput(np.array([4], np.int32), 2, np.array([1], np.int32))])
+    v = layout.views(buf)
+    assert layout.num_tokens == 16
+    assert not v["slot_mapping"][5:].any() and not v["input_ids"][5:].any()
 
 
 def _packed_seeds(seeds):

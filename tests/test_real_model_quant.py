@@ -73,6 +73,7 @@ def test_int8_on_fp8_kv_cache_answers_paris(compile_cache_dir):
         kv_cache_dtype="fp8",
         max_model_len=256,
         max_num_batched_tokens=16,  # one bucket: a short warm-up; prompts are chunked
+        cuda_graph_sizes="16",
         kv_cache_memory_bytes=64 << 20,
         compilation_cache_dir=compile_cache_dir,
         use_tqdm_on_load=False,

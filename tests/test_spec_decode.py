@@ -457,6 +457,7 @@ def test_real_model_greedy_exact_and_its_own_draft_accepts_everything(smol, comp
     kw = dict(
         max_model_len=256,
         max_num_batched_tokens=64,  # long prompts are chunked
+        cuda_graph_sizes="16,32",  # three buckets to warm up (16 / 32 / 64)
         num_gpu_blocks_override=14,  # 8 requests of ~3 blocks: preemptions
         compilation_cache_dir=compile_cache_dir,
         use_tqdm_on_load=False,

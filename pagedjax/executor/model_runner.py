@@ -109,6 +109,7 @@ class ModelRunner:
             kv_chunk_pages=chunk_pages,
             scratch_slot=self.num_slots - 1,
             num_speculative_tokens=self.num_speculative_tokens,
+            sizes=sc.cuda_graph_sizes,
         )
         pp = config.parallel_config.pipeline_parallel_size
         self.num_microbatches = pp if pp > 1 else 0  # one micro-batch per stage
