@@ -34,6 +34,7 @@ from pagedjax.executor.step_executables import abstract
 from pagedjax.models import loader, registry
 from pagedjax.ops import cpu_gguf, cpu_linear, cpu_quant, sampling
 from pagedjax.ops.attention import AttentionMetadata
+from pagedjax.ops.fused_projections import fuse_projections
 from pagedjax.ops.kv_cache import init_kv_cache, kv_cache_bytes_per_block, kv_cache_shape
 from pagedjax.sharding.rules import ShardingPlan
 
@@ -55,6 +56,7 @@ def load_draft(config: EngineConfig, mesh) -> tuple[dict[str, Any], ShardingPlan
     )
     if mc.linear_backend == "cpu":  # as the target's (`executor.model_loading.load_model`)
         params = cpu_quant.use_native(cpu_gguf.use_native(cpu_linear.pack_params(params)))
+        params = fuse_projections(params)
     return params, plan
 
 

@@ -25,6 +25,7 @@ import jax
 from pagedjax.config import EngineConfig
 from pagedjax.models import loader, registry
 from pagedjax.ops import cpu_gguf, cpu_kernels, cpu_linear, cpu_quant
+from pagedjax.ops.fused_projections import fuse_projections
 from pagedjax.sharding.mesh import device_grid, replica_mesh
 from pagedjax.sharding.pipeline import pad_stage_params
 from pagedjax.sharding.rules import ShardingPlan
@@ -101,6 +102,7 @@ def load_model(config: EngineConfig, devices=None) -> LoadedModel:
         max_rows = 0 if mc.batch_invariant else cpu_linear.MAX_TOKENS
         params = cpu_gguf.use_native(cpu_linear.pack_params(params, max_rows), mc.gguf_activations)
         params = cpu_quant.use_native(params)  # int8 / AWQ / GPTQ stacks read in place
+        params = fuse_projections(params)  # q/k/v and gate/up: one native call each
     return LoadedModel(tokenizer, plan, params, time.perf_counter() - t0)
 
 

@@ -18,6 +18,7 @@ from pagedjax.models.arch_config import DecoderArchConfig
 from pagedjax.models.hf_format import hf_config_dict
 from pagedjax.models.sources import CONVERTED_MARKER
 from pagedjax.ops import cpu_linear, quant
+from pagedjax.ops.fused_projections import split_projections
 
 
 @contextlib.contextmanager
@@ -100,8 +101,9 @@ def save_converted(
     out: str | Path, cfg: DecoderArchConfig, params: dict[str, Any], tokenizer, origin: str = ""
 ) -> None:
     """Writes a reloadable folder: config.json, the tokenizer, params/ and a marker file.
-    A running engine's params may be given: pre-packed weights are saved as [L, in, out]."""
-    params = cpu_linear.unpack_params(params, cfg.tie_word_embeddings)
+    A running engine's params may be given: pre-packed weights are saved as [L, in, out], fused
+    projections as their parts."""
+    params = cpu_linear.unpack_params(split_projections(params, cfg), cfg.tie_word_embeddings)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     hf_like = hf_config_dict(cfg, str(params["embed_tokens"].dtype))

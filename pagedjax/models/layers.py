@@ -139,12 +139,11 @@ def attention(
 ) -> tuple[jax.Array, KVCache]:
     """The attention block of one decoder layer over normed hidden states x [T, D].
 
-    Weights of `w` (one layer's): q_proj [D, N*H], k_proj / v_proj [D, K*H], o_proj
-    [N*H, D]; q_bias / k_bias / v_bias ([N*H], [K*H]) and o_bias [D] added when present;
-    q_norm / k_norm
-    [H], RMSNorm of each head before RoPE, when `qk_norm_eps` is given (Qwen3; Gemma 3 with
-    `qk_norm_offset`, its 1 + w RMSNorm); k_scale /
-    v_scale, a float8 cache's scalar scales (1.0 when absent).
+    Weights of `w` (one layer's): q_proj [D, N*H], k_proj / v_proj [D, K*H] (or the three
+    as qkv_proj [D, (N + 2K)*H], `ops.fused_projections`), o_proj [N*H, D]; q_bias / k_bias /
+    v_bias ([N*H], [K*H]) and o_bias [D] added when present; q_norm / k_norm [H], RMSNorm of
+    each head before RoPE, when `qk_norm_eps` is given (Qwen3; Gemma 3 with `qk_norm_offset`,
+    its 1 + w RMSNorm); k_scale / v_scale, a float8 cache's scalar scales (1.0 when absent).
 
     Args:
         kv_cache: (k_cache, v_cache), each [layers, num_blocks, block_size, K, H]; the
@@ -166,9 +165,12 @@ def attention(
     def proj(v, name):
         return linear(v, w[name], num_rows=num_rows)
 
-    q = proj(x, "q_proj")  # [T, N*H]
-    k = proj(x, "k_proj")  # [T, K*H]
-    v = proj(x, "v_proj")
+    if "qkv_proj" in w:  # one call for the three (`ops.fused_projections`)
+        q, k, v = jnp.split(proj(x, "qkv_proj"), [N * H, (N + K) * H], axis=-1)
+    else:
+        q = proj(x, "q_proj")  # [T, N*H]
+        k = proj(x, "k_proj")  # [T, K*H]
+        v = proj(x, "v_proj")
     if "q_bias" in w:
         q, k, v = q + w["q_bias"], k + w["k_bias"], v + w["v_bias"]
     q, k, v = q.reshape(T, N, H), k.reshape(T, K, H), v.reshape(T, K, H)
@@ -232,12 +234,17 @@ def gated_mlp(
 ) -> jax.Array:
     """down_proj(act(gate_proj(x)) * up_proj(x)): x [T, D] -> [T, D] (Shazeer, 2020).
 
+    Weights of `w`: gate_proj and up_proj [D, F] (or both as gate_up_proj [D, 2F],
+    `ops.fused_projections`), down_proj [F, D].
     activation: Hugging Face's `hidden_act` name: "silu" / "swish" (SwiGLU), "gelu" (erf),
     "gelu_new" / "gelu_pytorch_tanh" (the tanh approximation; GeGLU).
     """
     act = _ACTIVATIONS[activation]
-    gate = linear(x, w["gate_proj"], num_rows=num_rows)  # [T, F]
-    up = linear(x, w["up_proj"], num_rows=num_rows)
+    if "gate_up_proj" in w:  # one call for the two (`ops.fused_projections`)
+        gate, up = jnp.split(linear(x, w["gate_up_proj"], num_rows=num_rows), 2, axis=-1)
+    else:
+        gate = linear(x, w["gate_proj"], num_rows=num_rows)  # [T, F]
+        up = linear(x, w["up_proj"], num_rows=num_rows)
     return linear(act(gate) * up, w["down_proj"], num_rows=num_rows)
 
 
