@@ -73,6 +73,17 @@ inline void BlockHalves(const uint8_t* b, int64_t n, float* d, float* m) {
 #endif
 }
 
+// Software prefetch of [p, p + bytes) into the caches, a line at a time: the weight rows of
+// the next groups, while this one is computed (the hardware prefetchers follow a kernel's
+// four interleaved row streams poorly: one thread read 94 MB of Q4_1 rows at 3.5 GB/s without
+// it).
+inline void Prefetch(const uint8_t* p, int64_t bytes) {
+#if defined(__x86_64__)
+  for (int64_t b = 0; b < bytes; b += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(p + b), _MM_HINT_T0);
+#endif
+}
+
 // Lanes summed pairwise in a fixed tree: lane i with lane i + W / 2, then i with i + W / 4,
 // ... (the same pairs in every call, on every path's own vector width).
 inline float TreeSum(vf x) {

@@ -314,15 +314,6 @@ struct Problem {
   Fused fused;
 };
 
-// Software prefetch of [p, p + bytes) into the caches, a line at a time: the rows of the
-// next group, while this one is computed (the hardware prefetchers follow the four
-// interleaved row streams poorly: one thread read 94 MB of Q4_1 rows at 3.5 GB/s without it).
-inline void Prefetch(const uint8_t* p, int64_t bytes) {
-#if defined(__x86_64__)
-  for (int64_t b = 0; b < bytes; b += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(p + b), _MM_HINT_T0);
-#endif
-}
 // Rows ahead that a small step prefetches: two groups (one and three measured within noise of
 // it, +15-45 % with any against none, on one thread over 94 MB).
 constexpr int64_t kPrefetchRows = 2 * R;
