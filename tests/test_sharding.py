@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from pagedjax.ops.fused_projections import FUSED
 from pagedjax.ops.quant import LINEAR_WEIGHTS
 from pagedjax.sharding.mesh import device_grid
 from pagedjax.sharding.rules import ShardingPlan
@@ -55,7 +56,8 @@ def expected_shards(tp: int, pp: int = 1) -> dict[str, list[int]]:
 
 def prepacked_shapes(shapes: dict[str, list[int]]) -> dict[str, list[int]]:
     """The "cpu" backend's params (`cpu_linear.pack_params`): each linear weight [L, K, N]
-    held as panels [L, ceil(N / 16), K, 16], the LM head [D, V] as [1, ceil(V / 16), D, 16]."""
+    held as panels [L, ceil(N / 16), K, 16], the LM head [D, V] as [1, ceil(V / 16), D, 16];
+    then q/k/v and gate/up each one weight of their columns (`ops.fused_projections`)."""
     out = {}
     for key, shape in shapes.items():
         if key == "['lm_head']":
@@ -65,6 +67,10 @@ def prepacked_shapes(shapes: dict[str, list[int]]) -> dict[str, list[int]]:
             continue
         L, K, N = shape
         out[key + ".panels"] = [L, -(-N // 16), K, 16]
+    for fused, parts in FUSED.items():
+        panels = [out.pop(f"['layers']['{p}'].panels") for p in parts]
+        L, _, K, _ = panels[0]
+        out[f"['layers']['{fused}'].panels"] = [L, sum(p[1] for p in panels), K, 16]
     return out
 
 
