@@ -312,7 +312,10 @@ def read_json(path: Path):
 # conftest `smol`'s engine settings, which the other real-model engines of the suite repeat so
 # that the session's compilation cache serves their step buckets.
 SMOL_ENGINE_ARGS = dict(
-    max_model_len=512, max_num_batched_tokens=64, kv_cache_memory_bytes=256 << 20
+    max_model_len=512,
+    max_num_batched_tokens=64,
+    kv_cache_memory_bytes=256 << 20,
+    cuda_graph_sizes="16,32",  # three buckets (16 / 32 / 64) to warm up, not five
 )
 
 

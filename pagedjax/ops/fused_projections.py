@@ -29,6 +29,11 @@ from pagedjax.ops.gguf_quant import GGUFWeight
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
+# Axis 1 of [L, N, row_bytes] blocks and of [L, P, K, 16] panels: the outputs. One jitted
+# function for every load, so that an engine loaded again with the same shapes compiles nothing.
+_concat_columns = jax.jit(lambda *a: jnp.concatenate(a, axis=1))
+
+
 def _concat(parts: list) -> GGUFWeight | cpu_linear.PackedWeight | None:
     """The parts as one weight of their output columns in order, or None where they do not
     fuse (a part missing, kinds or formats that differ, a stack not read in place)."""
@@ -39,7 +44,7 @@ def _concat(parts: list) -> GGUFWeight | cpu_linear.PackedWeight | None:
         same = {(p.qtype, p.in_features, p.native, p.activations, p.blocks.shape[0]) for p in parts}
         if len(same) != 1 or not first.native or first.blocks.ndim != 3:
             return None
-        blocks = jax.jit(lambda *b: jnp.concatenate(b, axis=1))(*(p.blocks for p in parts))
+        blocks = _concat_columns(*(p.blocks for p in parts))
         return first.replace(blocks=jax.block_until_ready(blocks))
     if all(isinstance(p, cpu_linear.PackedWeight) for p in parts):
         same = {(p.max_rows, p.panels.shape[0], p.panels.shape[2]) for p in parts}
@@ -47,7 +52,7 @@ def _concat(parts: list) -> GGUFWeight | cpu_linear.PackedWeight | None:
             return None
         if any(p.n % cpu_linear.PANEL for p in parts[:-1]):  # a part ending mid-panel
             return None
-        panels = jax.jit(lambda *w: jnp.concatenate(w, axis=1))(*(p.panels for p in parts))
+        panels = _concat_columns(*(p.panels for p in parts))
         return cpu_linear.PackedWeight(
             jax.block_until_ready(panels), sum(p.n for p in parts), first.max_rows
         )
