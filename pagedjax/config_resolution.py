@@ -49,21 +49,19 @@ def _gguf_quantization(quantization, source, dtype_arg: str, one_device: bool):
 
 
 def _graph_sizes(value) -> tuple[int, ...] | None:
-    """`cuda_graph_sizes` as given (a list of ints, or "1,4,16") -> sorted ints, or None.
+    """`cuda_graph_sizes` as given (a list of ints, or "1,4,16") -> sorted ints, or None
+    (`SchedulerConfig` checks that they are at least 1).
 
     Raises:
-        ValueError: naming the field, for a size that is not a positive integer.
+        ValueError: naming the field, for an item that is not an integer.
     """
     if value is None:
         return None
     items = value.split(",") if isinstance(value, str) else list(value)
     try:
-        sizes = sorted({int(str(v).strip()) for v in items if str(v).strip()})
+        return tuple(sorted({int(str(v).strip()) for v in items if str(v).strip()}))
     except ValueError:
-        raise _bad("cuda_graph_sizes", "positive integers (e.g. '1,4,16')", value) from None
-    if not sizes or sizes[0] < 1:
-        raise _bad("cuda_graph_sizes", "positive integers (e.g. '1,4,16')", value)
-    return tuple(sizes)
+        raise _bad("cuda_graph_sizes", "integers (e.g. '1,4,16')", value) from None
 
 
 def resolve_engine_config(args) -> EngineConfig:

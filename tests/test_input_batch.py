@@ -15,6 +15,7 @@ def test_token_buckets():
     assert token_buckets(4) == [1, 4]
     assert token_buckets(1) == [1]
     assert token_buckets(64, min_bucket=32) == [1, 4, 32, 64]
+    assert token_buckets(64, sizes=(8, 1, 128, 8)) == [1, 8, 64]  # cuda_graph_sizes
 
 
 def test_hand_computed_step():

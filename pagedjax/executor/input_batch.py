@@ -61,9 +61,14 @@ def split_seed(seed: int) -> tuple[int, int]:
     return lo, hi
 
 
-def token_buckets(max_num_batched_tokens: int, min_bucket: int = MIN_TOKEN_BUCKET) -> list[int]:
-    """The ladder of padded token counts: `SMALL_TOKEN_BUCKETS` (decode steps of one or a few
-    sequences), then powers of two from `min_bucket`, then the maximum.
+def token_buckets(
+    max_num_batched_tokens: int,
+    min_bucket: int = MIN_TOKEN_BUCKET,
+    sizes: tuple[int, ...] | None = None,
+) -> list[int]:
+    """The ladder of padded token counts: `sizes` (the engine's `cuda_graph_sizes`) below the
+    maximum, then the maximum; without `sizes`, `SMALL_TOKEN_BUCKETS` (decode steps of one or
+    a few sequences), then powers of two from `min_bucket`, then the maximum.
 
     A step runs its bucket's shape: every XLA op between the native kernels (norms, RoPE,
     activations, the sampler over [T, vocab] logits) computes all T rows, real or not, so a
@@ -71,9 +76,11 @@ def token_buckets(max_num_batched_tokens: int, min_bucket: int = MIN_TOKEN_BUCKE
     request, two engines alternating in one process: a decode step of 12.9-17.2 ms with the
     1-token bucket, 16.8-19.8 ms without). Each bucket is one more compilation (at start-up,
     or at its first step under `enforce_eager`), hence two small ones only, and powers of two
-    above. The engine's `cuda_graph_sizes` replaces this ladder (`BatchBuilder(sizes=...)`).
+    above.
     """
     cap = max_num_batched_tokens
+    if sizes is not None:
+        return [b for b in sorted(set(sizes)) if b < cap] + [cap]
     buckets = [b for b in SMALL_TOKEN_BUCKETS if b < min(min_bucket, cap)]
     b = min(min_bucket, cap)
     while b < cap:
@@ -243,13 +250,7 @@ class BatchBuilder:
         self.kv_chunk_pages = kv_chunk_pages
         cols = math.ceil(max_model_len / block_size)
         self.num_block_cols = math.ceil(cols / kv_chunk_pages) * kv_chunk_pages
-        # the engine's cuda_graph_sizes (below the token budget), or the default ladder
-        self.buckets = (
-            token_buckets(max_num_batched_tokens)
-            if sizes is None
-            else [b for b in sorted(set(sizes)) if b < max_num_batched_tokens]
-            + [max_num_batched_tokens]
-        )
+        self.buckets = token_buckets(max_num_batched_tokens, sizes=sizes)
         self._buffers: dict[int, np.ndarray] = {}
 
     def layout(self, num_tokens_bucket: int) -> PackedLayout:
