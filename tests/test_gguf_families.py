@@ -161,3 +161,22 @@ def test_phi3_longrope_gguf_is_refused(gguf_cases, tmp_path):
     )
     with pytest.raises(ValueError, match="rope_factors_long.*LongRoPE"):
         loader.load_arch_config(loader.resolve_model_source(str(path)))
+
+
+def test_a_file_is_parsed_once_and_again_when_it_changes(tmp_path, tiny_llama_dir):
+    """The reader of a GGUF file is shared by the loads of one process while the file is
+    unchanged; the same path rewritten with other contents is read afresh."""
+    from pagedjax.models.gguf_file import gguf_reader
+
+    path = write_gguf(tmp_path / "m.gguf", tiny_llama_dir)
+    first = gguf_reader(str(path))
+    assert gguf_reader(str(path)) is first
+    source = loader.resolve_model_source(str(path))
+    assert loader.load_arch_config(source).num_hidden_layers > 0
+    written = write_gguf(
+        tmp_path / "other.gguf", tiny_llama_dir, extra_fields={"llama.expert_count": 8}
+    )
+    written.replace(path)  # a new inode at the same path
+    assert gguf_reader(str(path)) is not first
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        loader.load_arch_config(source)
