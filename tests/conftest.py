@@ -5,6 +5,7 @@ that share one persistent compilation cache per test session."""
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import json
 import os
 import shutil
@@ -380,12 +381,28 @@ def randomize_norms(folder: Path, seed: int) -> None:
 FORWARD_BLOCK = 8  # block size of `forward_chunks`' KV cache
 
 
+@functools.cache
+def _jitted_forward(cfg, backend: str):
+    """The jitted forward of `cfg`'s model, one per (config, backend) for the session:
+    `forward_chunks` calls of one config (whole and chunked, several param sets of one
+    structure) reuse its compilations."""
+    import jax
+
+    from pagedjax.models import registry
+
+    model = registry.get_model(cfg.architecture)
+    return jax.jit(
+        lambda p, kv, a, md: model.forward(
+            p, kv, a["input_ids"], a["positions"], md, cfg=cfg, attention_backend=backend
+        )
+    )
+
+
 def forward_chunks(params, cfg, chunks: list[list[int]], backend: str) -> np.ndarray:
     """One sequence's prompt through the registry's model for `cfg`, in `chunks` (prefill
     chunk by chunk over a scattered, out-of-order block table of FORWARD_BLOCK-token blocks);
     returns the logits of every prompt position, [sum(len(c)), V] float32 (the config's
     final soft-cap applied)."""
-    import jax
     import jax.numpy as jnp
 
     from pagedjax.executor.input_batch import BatchBuilder, SeqInput
@@ -401,17 +418,14 @@ def forward_chunks(params, cfg, chunks: list[list[int]], backend: str) -> np.nda
         block_size=FORWARD_BLOCK,
         query_tile_size=8,
         kv_chunk_pages=2,
+        sizes=(16,),  # buckets 16-128: every chunking below 16 tokens shares one compilation
     )
     shape = kv_cache_shape(
         cfg.num_hidden_layers, 16, FORWARD_BLOCK, cfg.num_key_value_heads, cfg.head_dim
     )
     kv = init_kv_cache(shape, jnp.float32)
     blocks = np.array([5, 2, 9, 1, 12, 7, 3], np.int32)  # scattered, out of order
-    fwd = jax.jit(
-        lambda p, kv, a, md: model.forward(
-            p, kv, a["input_ids"], a["positions"], md, cfg=cfg, attention_backend=backend
-        )
-    )
+    fwd = _jitted_forward(cfg, backend)
     logits, start = [], 0
     for chunk in chunks:
         layout, buf = builder.build([SeqInput(np.asarray(chunk, np.int32), start, blocks)])
