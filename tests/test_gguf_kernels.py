@@ -127,6 +127,36 @@ def test_every_isa_path_matches_the_reference(isa):
 
 @needs_kernels
 @pytest.mark.parametrize("isa", cpu_kernels.runnable_isas())
+def test_native_dequantization_equals_gguf(isa):
+    """`cpu_gguf.dequantize` of layer 1 of a 2-layer stack, every format, on each ISA path:
+    gguf's values within one float32 rounding (scale and offset fused into one FMA)."""
+    for fmt in FORMATS:
+        stack = np.stack([blocks_for(fmt, 37, 512, seed=s) for s in (5, 6)])
+        want = dequantize(stack[1], gguf.GGMLQuantizationType[fmt])
+        w = gq.GGUFWeight(jnp.asarray(stack), fmt, 512)
+        got = np.asarray(jax.jit(lambda w, i: cpu_gguf.dequantize(w, i, isa=isa))(w, 1))
+        np.testing.assert_allclose(got, want, rtol=2**-23, atol=0, err_msg=f"{isa} {fmt}")
+
+
+@needs_kernels
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q6_K"])
+def test_large_steps_of_a_native_stack_match_the_reference(fmt):
+    """Steps of more than `cpu_gguf.MAX_TOKENS` rows on a native stack (layer 1 read through
+    a `LayerView`): the native dequantization and XLA's dot, within the float32 bound."""
+    from pagedjax.ops.linear import LayerView, linear
+
+    rng = np.random.default_rng(7)
+    stack = np.stack([blocks_for(fmt, 37, 512, seed=s) for s in (8, 9)])
+    w = gq.GGUFWeight(jnp.asarray(stack), fmt, 512, native=True)
+    for m in (cpu_gguf.MAX_TOKENS + 1, 300):
+        x = rng.normal(size=(m, 512)).astype(np.float32)
+        ref, scale = reference(x, stack[1], fmt)
+        got = jax.jit(lambda x, w: linear(x, LayerView(w, jnp.int32(1))))(jnp.asarray(x), w)
+        assert rel_err(got, ref, scale) < TOL, (fmt, m)
+
+
+@needs_kernels
+@pytest.mark.parametrize("isa", cpu_kernels.runnable_isas())
 def test_a_row_is_the_same_bits_whatever_else_is_in_the_step(isa):
     """Batch invariance of the kernel: x's row 0 times W gives the same bits alone as among
     1, 3, 4, 7, 8, 9, 64 and 128 rows (the fused small-step tiles, the row buffer's tiles of

@@ -8,7 +8,9 @@ whole stack of layers [L, N, row_bytes] and the layer index, reading the layer i
 
 `ops.linear.linear` runs it for a `GGUFWeight` marked `native` (`use_native`, done by the
 engine under `linear_backend="cpu"`) in steps of at most `MAX_TOKENS` tokens; larger steps
-dequantize the layer inside the step and use XLA's dot (`gguf_quant.matmul_xla`).
+dequantize the layer inside the step with the same kernel's dequantization (`dequantize`)
+and use XLA's dot. (XLA's own dequantization, `gguf_quant.matmul_xla`, the path of other
+devices, took 1.6 s more than float32 weights over the standard workload's prefill steps.)
 
 int8 activations (`activations="int8"`, the engine's `gguf_activations="int8"`; formats of
 `INT8_FORMATS`, the others keep float32): `csrc/gguf_int8_cpu.cc` quantizes each 32-value
@@ -29,6 +31,7 @@ from pagedjax.ops.gguf_quant import GGML_TYPE_IDS, GGUF_FORMATS, GGUFWeight
 
 TARGET = "pagedjax_gguf_linear_cpu"
 TARGET_INT8 = "pagedjax_gguf_linear_int8_cpu"
+TARGET_DEQUANTIZE = "pagedjax_gguf_dequantize_cpu"
 # The formats the int8-activation kernel takes (32-value blocks); the others run float32.
 INT8_FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
 ACTIVATIONS = ("float32", "int8")
@@ -85,6 +88,35 @@ def matmul(
         blocks,
         jnp.asarray(layer, jnp.int32).reshape(()),
         jnp.asarray(rows, jnp.int32).reshape(()),
+        qtype=GGML_TYPE_IDS[w.qtype],
+        block_values=bs,
+        block_bytes=nbytes,
+    )
+
+
+def dequantize(w: GGUFWeight, layer: jax.Array | int = 0, *, isa: str | None = None) -> jax.Array:
+    """The float32 values of layer `layer` of a GGUF stack, [N, K] (output rows, as stored),
+    by the native kernel's dequantization: equal to `gguf_quant.dequantize_blocks` of that
+    layer within float32 rounding (the kernel fuses scale and offset into one multiply-add).
+
+    Args:
+        w: a `GGUFWeight` of a stack [L, N, row_bytes] (or of one layer [N, row_bytes]).
+        layer: scalar int32 index into the L axis (traced or not).
+        isa: the kernel's ISA path; None: `cpu_kernels.default_isa()`.
+
+    Raises:
+        RuntimeError: the native kernels are unavailable.
+        ValueError: an ISA path this CPU cannot run.
+    """
+    target = cpu_kernels.target(TARGET_DEQUANTIZE, isa)
+    blocks = w.blocks if w.blocks.ndim == 3 else w.blocks[None]
+    bs, nbytes = GGUF_FORMATS[w.qtype]
+    call = jax.ffi.ffi_call(
+        target, jax.ShapeDtypeStruct((blocks.shape[1], w.in_features), jnp.float32)
+    )
+    return call(
+        blocks,
+        jnp.asarray(layer, jnp.int32).reshape(()),
         qtype=GGML_TYPE_IDS[w.qtype],
         block_values=bs,
         block_bytes=nbytes,

@@ -69,6 +69,7 @@ TARGETS = {
     "pagedjax_linear_cpu": "LinearCpu",
     "pagedjax_grouped_linear_cpu": "GroupedLinearCpu",
     "pagedjax_gguf_linear_cpu": "GgufLinearCpu",
+    "pagedjax_gguf_dequantize_cpu": "GgufDequantizeCpu",
     "pagedjax_gguf_linear_int8_cpu": "GgufLinearInt8Cpu",
     "pagedjax_quant_int8_linear_cpu": "QuantInt8LinearCpu",
     "pagedjax_quant_int4_linear_cpu": "QuantInt4LinearCpu",

@@ -27,7 +27,9 @@
 //
 // Only the first `rows` rows of x are multiplied (a step padded to its shape bucket passes its
 // number of real tokens); the others are written as zeros. Work items are spread over XLA's
-// intra-op thread pool. Built by pagedjax/ops/cpu_kernels.py.
+// intra-op thread pool. A second handler, GgufDequantize, writes one layer's float32 values
+// (the steps too large for this kernel multiply them with XLA's dot). Built by
+// pagedjax/ops/cpu_kernels.py.
 
 #include <algorithm>
 #include <array>
@@ -383,7 +385,46 @@ ffi::Error GgufLinear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   return ffi::Error::Success();
 }
 
+// The float32 values [N, K] of layer `layer` of a stack [L, N, row_bytes]: the large steps'
+// weights (`ops.cpu_gguf.dequantize`), which XLA's dot then multiplies. Rows in items of 64
+// spread over the threads; each row is the kernel's own DequantRow, so the values are those
+// the matmul above multiplies.
+ffi::Error GgufDequantize(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> w,
+                          ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y,
+                          int64_t qtype, int64_t block_values, int64_t block_bytes) {
+  auto wd = w.dimensions();
+  auto yd = y->dimensions();
+  if (wd.size() != 3 || yd.size() != 2) return ffi::Error::InvalidArgument("gguf dequantize: bad ranks");
+  const int64_t l = layer.typed_data()[0];
+  if (l < 0 || l >= wd[0]) return ffi::Error::InvalidArgument("gguf dequantize: layer out of range");
+  const int64_t N = wd[1], row_bytes = wd[2], K = yd[1];
+  const DequantFn dequant = Dequantizer(qtype);
+  if (dequant == nullptr) return ffi::Error::InvalidArgument("gguf dequantize: unknown qtype");
+  if (yd[0] != N || K % block_values || K % kVecFloats || K / block_values * block_bytes != row_bytes)
+    return ffi::Error::InvalidArgument("gguf dequantize: weight shape does not match the output");
+  const uint8_t* src = w.typed_data() + l * N * row_bytes;
+  float* out = y->typed_data();
+  constexpr int64_t kRows = 64;
+  pagedjax::ParallelFor(pool, (N + kRows - 1) / kRows, [&](int64_t i) {
+    thread_local std::vector<float> scales;
+    scales.resize(2 * K / 32 + 16);
+    for (int64_t n = i * kRows; n < std::min(N, (i + 1) * kRows); ++n)
+      dequant(src + n * row_bytes, K, out + n * K, scales.data());
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GgufDequantizeCpu, GgufDequantize,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // w [L, N, row_bytes]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer []
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [N, K]
+                                  .Attr<int64_t>("qtype")
+                                  .Attr<int64_t>("block_values")
+                                  .Attr<int64_t>("block_bytes"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GgufLinearCpu, GgufLinear,
                               ffi::Ffi::Bind()
