@@ -84,27 +84,4 @@ inline void Prefetch(const uint8_t* p, int64_t bytes) {
 #endif
 }
 
-// Lanes summed pairwise in a fixed tree: lane i with lane i + W / 2, then i with i + W / 4,
-// ... (the same pairs in every call, on every path's own vector width).
-inline float TreeSum(vf x) {
-#if defined(PAGEDJAX_ISA_AVX512)
-  const __m512 v = (__m512)x;
-  const __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
-  const __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  const __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
-  return _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps(c, c, 1)));
-#elif defined(PAGEDJAX_ISA_AVX2)
-  const __m256 v = (__m256)x;
-  const __m128 b = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
-  return _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps(c, c, 1)));
-#else
-  float a[kVecFloats];
-  std::memcpy(a, &x, sizeof(a));
-  for (int w = kVecFloats / 2; w > 0; w /= 2)
-    for (int i = 0; i < w; ++i) a[i] += a[i + w];
-  return a[0];
-#endif
-}
-
 }  // namespace pagedjax_gguf

@@ -248,7 +248,7 @@ void VnniTile(const Problem& p, int64_t n, int64_t m0, const float* sc, int64_t 
   }
   for (int m = 0; m < MM; ++m)
     for (int r = 0; r < RR; ++r) {
-      float y = TreeSum((vf)acc[m][r]);
+      float y = HSum((vf)acc[m][r]);
       if (nb % 2)
         y += ScalarBlock<T>(w + r * p.row_bytes, sc + r * sc_stride, sc + r * sc_stride + nb, X,
                             p.K, nb, m0 + m, nb - 1);

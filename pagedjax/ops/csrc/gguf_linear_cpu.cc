@@ -16,7 +16,7 @@
 // Products: dot products over K for every row count. A tile of MT rows of x (4 on AVX-512,
 // 2 elsewhere) times R = 4 rows of W keeps MT x R vector accumulators; lane j of acc[m][r]
 // sums x[m, k] w[r, k] over k = j, j + V, j + 2V, ... in order (V the vector width), and a
-// fixed tree over the lanes (`TreeSum`) gives y[m, n]. The R rows are dequantized into a
+// fixed tree over the lanes (`HSum`) gives y[m, n]. The R rows are dequantized into a
 // buffer [R][K] (L1) that every tile of x reads, or, in steps of at most MT rows and formats
 // of 32-value blocks, straight into registers block by block (`FusedTile`: no buffer, the same
 // values and order). Each row's scales (f16) are converted together first (`BlockHalves`).
@@ -220,7 +220,7 @@ void DotTile(const float* __restrict x, int64_t K, const float* __restrict w,
     }
   }
   for (int m = 0; m < M; ++m)
-    for (int r = 0; r < RR; ++r) y[m * N + r] = TreeSum(acc[m][r]);
+    for (int r = 0; r < RR; ++r) y[m * N + r] = HSum(acc[m][r]);
 }
 
 typedef void (*TileFn)(const float*, int64_t, const float*, float*, int64_t);
@@ -262,7 +262,7 @@ void FusedTile(const float* __restrict x, int64_t K, const uint8_t* __restrict w
     }
   }
   for (int m = 0; m < M; ++m)
-    for (int r = 0; r < RR; ++r) y[m * N + r] = TreeSum(acc[m][r]);
+    for (int r = 0; r < RR; ++r) y[m * N + r] = HSum(acc[m][r]);
 }
 
 typedef void (*FusedFn)(const float*, int64_t, const uint8_t*, int64_t, const float*, float*,

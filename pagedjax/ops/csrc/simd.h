@@ -84,26 +84,30 @@ inline vf Splat(float s) {
   return vf{} + s;  // (a lane-by-lane fill compiled to inserts: 6x slower in the GGUF kernel)
 #endif
 }
-// Lanes summed in a fixed order, so that a row's sum is the same in every call: a tree of
-// halves (the low half plus the high half, lane by lane, down to one lane). A sum lane by
-// lane in order was a chain of kVecFloats dependent scalar adds: the attention kernel's
-// scores (one sum per key and head) took 26-32 us against 15-17 us for one sequence of 200
-// tokens (AVX-512, 9 heads of 64, one thread).
+// Lanes summed in a fixed tree, so that a row's sum is the same in every call: lane i with
+// lane i + W / 2, then i with i + W / 4, ... (the same pairs on every path's own width W).
+// Used by the GGUF kernels' dot products and the attention kernel's scores; the attention
+// kernel once summed lane by lane in order (a chain of W dependent scalar adds), which took
+// 26-32 us against 15-17 us for one sequence of 200 tokens (AVX-512, 9 heads of 64, one
+// thread).
 inline float HSum(vf x) {
 #if defined(PAGEDJAX_ISA_AVX512)
-  const __m256 y = _mm256_add_ps(_mm512_castps512_ps256((__m512)x),
-                                 _mm512_extractf32x8_ps((__m512)x, 1));
-  const __m128 z = _mm_add_ps(_mm256_castps256_ps128(y), _mm256_extractf128_ps(y, 1));
+  const __m512 v = (__m512)x;
+  const __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+  const __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  const __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
+  return _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps(c, c, 1)));
 #elif defined(PAGEDJAX_ISA_AVX2)
-  const __m128 z = _mm_add_ps(_mm256_castps256_ps128((__m256)x), _mm256_extractf128_ps((__m256)x, 1));
-#elif defined(__SSE__)
-  const __m128 z = (__m128)x;
-#endif
-#if defined(PAGEDJAX_ISA_AVX512) || defined(PAGEDJAX_ISA_AVX2) || defined(__SSE__)
-  const __m128 h = _mm_add_ps(z, _mm_movehl_ps(z, z));  // [z0 + z2, z1 + z3, ...]
-  return _mm_cvtss_f32(_mm_add_ss(h, _mm_shuffle_ps(h, h, 1)));
+  const __m256 v = (__m256)x;
+  const __m128 b = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
+  return _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps(c, c, 1)));
 #else
-  return (x[0] + x[2]) + (x[1] + x[3]);
+  float a[kVecFloats];
+  std::memcpy(a, &x, sizeof(a));
+  for (int w = kVecFloats / 2; w > 0; w /= 2)
+    for (int i = 0; i < w; ++i) a[i] += a[i + w];
+  return a[0];
 #endif
 }
 
