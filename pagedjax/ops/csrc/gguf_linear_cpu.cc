@@ -15,12 +15,12 @@
 // per-block table of the 16 (or 32) possible values instead (`Nibbles32`).
 //
 // Products: dot products over K for every row count. A tile of MT rows of x (4 on AVX-512,
-// 2 elsewhere) times R = 4 rows of W keeps MT x R vector accumulators; lane j of acc[m][r]
-// sums x[m, k] w[r, k] over k = j, j + V, j + 2V, ... in order (V the vector width), and a
-// fixed tree over the lanes (`HSum`) gives y[m, n]. The R rows are dequantized into a
-// buffer [R][K] (L1) that every tile of x reads, or, in steps of at most MT rows and formats
-// of 32-value blocks, straight into registers block by block (`FusedTile`: no buffer, the same
-// values and order). Each row's scales (f16) are converted together first (`BlockHalves`).
+// 2 elsewhere) times a few rows of W keeps one vector accumulator per pair; lane j of
+// acc[m][r] sums x[m, k] w[r, k] over k = j, j + V, j + 2V, ... in order (V the vector width),
+// and a fixed tree over the lanes (`HSum`) gives y[m, n]. RB rows (6 on AVX-512, 4 elsewhere)
+// are dequantized into a buffer [RB][K] (L1) that every tile of x reads, or, in steps of at
+// most MT rows and formats of 32-value blocks, R = 4 rows straight into registers block by
+// block (`FusedTile`: no buffer, the same values and order). Each row's scales (f16) are converted together first (`BlockHalves`).
 // Every (m, n) is reduced in the same order whatever M is: a row's result does not depend on
 // what else is in its step (batch invariance).
 // Nor does it depend on the thread count. Vector width comes from simd.h (AVX-512,
@@ -222,14 +222,22 @@ DequantFn Dequantizer(int64_t qtype) {
   }
 }
 
-// The product of every row count: dot products. R rows of W are dequantized into a buffer
-// [R][K]; a tile of MT rows of x times those R rows keeps MT x R vector accumulators, lane j
+// The product of every row count: dot products. RB rows of W are dequantized into a buffer
+// [RB][K]; a tile of MT rows of x times those RB rows keeps MT x RB vector accumulators, lane j
 // of acc[m][r] summing x[m, k] w[r, k] over k = j, j + V, j + 2V, ... (V = kVecFloats) in
 // order, and a tree sum of the lanes gives y[m, n + r]. Each (m, n) is reduced in the same
 // order whatever M is and however the rows are tiled, so a row's result does not depend on
 // the other rows of its step (batch invariance) nor on the thread count.
-constexpr int R = 4;                                // rows of W per buffer
+constexpr int R = 4;                                // rows of W per fused tile (small M)
 constexpr int MT = kVecRegs >= 32 ? 4 : 2;          // rows of x per tile
+// Rows of W per buffer: on AVX-512, 6 (4 x 6 accumulators, 6 weight vectors and one of x in
+// the 32 registers: each x vector, streamed from L2 for M of 8 and more, is used 6 times
+// instead of 4). Single thread, M = 64, alternating runs of the quietest rounds, against 4:
+// 2,600 against 3,125 us for a 576 x 3072 Q4_1 layer, 1,563 against 1,645 for 1536 x 576,
+// 926-989 against 953-1,180 for 576 x 960; a float32-activation decode step of the default
+// Q4_1 model with 64 sequences, both in one process in alternating blocks of steps: 211
+// against 219 ms (median of 10 rounds; 6 rows faster in 8 of them). Elsewhere 4 (16 registers).
+constexpr int RB = kVecRegs >= 32 ? 6 : 4;
 
 template <int M, int RR>
 void DotTile(const float* __restrict x, int64_t K, const float* __restrict w,
@@ -255,14 +263,14 @@ template <int RR, int... Ms>
 constexpr std::array<TileFn, sizeof...(Ms) + 1> TileRow(std::integer_sequence<int, Ms...>) {
   return {nullptr, DotTile<Ms + 1, RR>...};
 }
-// kTile[rr][mt]: a tile of mt rows of x (1..MT) and rr rows of W (1..R).
-const std::array<std::array<TileFn, MT + 1>, R + 1> kTile = {
-    std::array<TileFn, MT + 1>{},
-    TileRow<1>(std::make_integer_sequence<int, MT>{}),
-    TileRow<2>(std::make_integer_sequence<int, MT>{}),
-    TileRow<3>(std::make_integer_sequence<int, MT>{}),
-    TileRow<4>(std::make_integer_sequence<int, MT>{}),
-};
+template <int... Rs>
+constexpr std::array<std::array<TileFn, MT + 1>, RB + 1> TileTable(
+    std::integer_sequence<int, Rs...>) {
+  return {std::array<TileFn, MT + 1>{}, TileRow<Rs + 1>(std::make_integer_sequence<int, MT>{})...};
+}
+// kTile[rr][mt]: a tile of mt rows of x (1..MT) and rr rows of W (1..RB).
+const std::array<std::array<TileFn, MT + 1>, RB + 1> kTile =
+    TileTable(std::make_integer_sequence<int, RB>{});
 
 // Small M (at most MT rows of x), formats of 32-value blocks: the R rows' blocks dequantized
 // straight into registers and multiplied at once, without the row buffer. The same values
@@ -337,7 +345,7 @@ struct Problem {
   const uint8_t* w;  // this layer's rows [N][row_bytes]
   float* y;          // [M, N]
   int64_t M, K, N, row_bytes;
-  int64_t item_rows;  // output rows per work item (a multiple of R)
+  int64_t item_rows;  // output rows per work item (a multiple of the tile's rows of W)
   DequantFn dequant;
   Fused fused;
 };
@@ -360,10 +368,10 @@ void RunItem(const Problem& p, int64_t n0, int64_t n1, std::vector<float>& buf) 
     }
     return;
   }
-  buf.resize(R * p.K + 2 * nb + 16);
-  float* scales = buf.data() + R * p.K;
-  for (int64_t n = n0; n < n1; n += R) {
-    const int rr = int(std::min<int64_t>(R, n1 - n));
+  buf.resize(RB * p.K + 2 * nb + 16);
+  float* scales = buf.data() + RB * p.K;
+  for (int64_t n = n0; n < n1; n += RB) {
+    const int rr = int(std::min<int64_t>(RB, n1 - n));
     for (int j = 0; j < rr; ++j)
       p.dequant(p.w + (n + j) * p.row_bytes, p.K, &buf[j * p.K], scales);
     for (int64_t m = 0; m < p.M; m += MT) {
@@ -400,8 +408,10 @@ ffi::Error GgufLinear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   std::fill(p.y + p.M * p.N, p.y + total_rows * p.N, 0.0f);  // padding rows
   if (p.M == 0 || p.N == 0) return ffi::Error::Success();
   const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
-  // About eight items per thread (load balance), 16 to 64 rows each (a multiple of the panel).
-  p.item_rows = 16 * std::clamp<int64_t>(p.N / (16 * 8 * threads), 1, 4);
+  // About eight items per thread (load balance), 1 to 4 units each (a unit: 16 rows for the
+  // fused tiles, 4 buffers of RB rows otherwise).
+  const int64_t unit = p.M <= MT && p.fused.tiles != nullptr ? 4 * R : 4 * RB;
+  p.item_rows = unit * std::clamp<int64_t>(p.N / (unit * 8 * threads), 1, 4);
   const int64_t items = (p.N + p.item_rows - 1) / p.item_rows;
   pagedjax::ParallelFor(pool, items, [&p](int64_t i) {
     thread_local std::vector<float> buf;
