@@ -274,10 +274,10 @@ const std::array<std::array<VnniFn, MT + 1>, R + 1> kVnni = {
 };
 #endif
 
-// Output rows [n0, n1): VNNI tiles of R rows of W where the path has them, else each row and
-// each pass of up to MT rows of x in scalar code.
+// Output rows [n0, n1) (the prefetches run up to pf_end): VNNI tiles of R rows of W where the
+// path has them, else each row and each pass of up to MT rows of x in scalar code.
 template <int64_t T>
-void RunItem(const Problem& p, int64_t n0, int64_t n1, std::vector<float>& scales) {
+void RunItem(const Problem& p, int64_t n0, int64_t n1, int64_t pf_end, std::vector<float>& scales) {
   const int64_t nb = p.K / 32;
   constexpr int64_t B = kBlockBytes<T>;
   const int64_t stride = 2 * nb + 16;  // a row's d [nb], then its m [nb]
@@ -287,7 +287,7 @@ void RunItem(const Problem& p, int64_t n0, int64_t n1, std::vector<float>& scale
     const int rr = int(std::min<int64_t>(R, n1 - n));
     // the rows two tiles ahead, as the float32 kernel does (profiles of a one-row decode step
     // of the default model, two runs: its fused gate/up call 167 us without, 123 us with)
-    Prefetch(p.w + (n + 2 * R) * p.row_bytes, std::min<int64_t>(n1 - n - 2 * R, R) * p.row_bytes);
+    Prefetch(p.w + (n + 2 * R) * p.row_bytes, std::min<int64_t>(pf_end - n - 2 * R, R) * p.row_bytes);
     for (int r = 0; r < rr; ++r)
       BlockHalves<B>(p.w + (n + r) * p.row_bytes, nb, &scales[r * stride],
                      kHasMin<T> ? &scales[r * stride + nb] : nullptr);
@@ -311,7 +311,7 @@ void RunItem(const Problem& p, int64_t n0, int64_t n1, std::vector<float>& scale
 #endif
 }
 
-typedef void (*ItemFn)(const Problem&, int64_t, int64_t, std::vector<float>&);
+typedef void (*ItemFn)(const Problem&, int64_t, int64_t, int64_t, std::vector<float>&);
 
 ItemFn ItemFor(int64_t qtype) {
   switch (qtype) {
@@ -355,10 +355,11 @@ ffi::Error GgufLinearInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
   const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
   p.item_rows = 16 * std::clamp<int64_t>(p.N / (16 * 8 * threads), 1, 4);
   const int64_t items = (p.N + p.item_rows - 1) / p.item_rows;
-  pagedjax::ParallelFor(pool, items, [&p, run](int64_t i) {
+  // One contiguous range of rows per thread, as the float32 kernel (gguf_linear_cpu.cc).
+  pagedjax::ParallelRanges(pool, items, [&p, run](int64_t i, int64_t end) {
     thread_local std::vector<float> scales;
     const int64_t n0 = i * p.item_rows;
-    run(p, n0, std::min(p.N, n0 + p.item_rows), scales);
+    run(p, n0, std::min(p.N, n0 + p.item_rows), std::min(p.N, end * p.item_rows), scales);
   });
   return ffi::Error::Success();
 }

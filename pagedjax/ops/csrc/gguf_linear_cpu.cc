@@ -28,7 +28,10 @@
 //
 // Only the first `rows` rows of x are multiplied (a step padded to its shape bucket passes its
 // number of real tokens); the others are written as zeros. Work items are spread over XLA's
-// intra-op thread pool. A second handler, GgufDequantize, writes one layer's float32 values
+// intra-op thread pool in one contiguous range of rows per thread (`ParallelRanges`: a
+// decode step of the default Q4_1 model, one sequence, in one process in alternating blocks
+// of 20 steps against interleaved items: 0.83-0.88 ms faster per step, median of 20 and 30
+// rounds, faster in 16 and 22 of them). A second handler, GgufDequantize, writes one layer's float32 values
 // (the steps too large for this kernel multiply them with XLA's dot). Built by
 // pagedjax/ops/cpu_kernels.py.
 
@@ -354,14 +357,17 @@ struct Problem {
 // it, +15-45 % with any against none, on one thread over 94 MB).
 constexpr int64_t kPrefetchRows = 2 * R;
 
-void RunItem(const Problem& p, int64_t n0, int64_t n1, std::vector<float>& buf) {
+// Output rows [n0, n1); a small step prefetches rows up to pf_end (where its thread's walk
+// goes on, `ParallelRanges`).
+void RunItem(const Problem& p, int64_t n0, int64_t n1, int64_t pf_end, std::vector<float>& buf) {
   const int64_t nb = p.K / 32;
   if (p.M <= MT && p.fused.tiles != nullptr) {
     buf.resize(R * 2 * nb);
     for (int64_t n = n0; n < n1; n += R) {
       const int rr = int(std::min<int64_t>(R, n1 - n));
       const uint8_t* w = p.w + n * p.row_bytes;
-      Prefetch(w + kPrefetchRows * p.row_bytes, std::min<int64_t>(n1 - n - kPrefetchRows, R) * p.row_bytes);
+      Prefetch(w + kPrefetchRows * p.row_bytes,
+               std::min<int64_t>(pf_end - n - kPrefetchRows, R) * p.row_bytes);
       for (int j = 0; j < rr; ++j)
         p.fused.halves(w + j * p.row_bytes, nb, &buf[j * 2 * nb], &buf[j * 2 * nb + nb]);
       (*p.fused.tiles)[rr][p.M](p.x, p.K, w, p.row_bytes, buf.data(), p.y + n, p.N);
@@ -413,10 +419,10 @@ ffi::Error GgufLinear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   const int64_t unit = p.M <= MT && p.fused.tiles != nullptr ? 4 * R : 4 * RB;
   p.item_rows = unit * std::clamp<int64_t>(p.N / (unit * 8 * threads), 1, 4);
   const int64_t items = (p.N + p.item_rows - 1) / p.item_rows;
-  pagedjax::ParallelFor(pool, items, [&p](int64_t i) {
+  pagedjax::ParallelRanges(pool, items, [&p](int64_t i, int64_t end) {
     thread_local std::vector<float> buf;
     const int64_t n0 = i * p.item_rows;
-    RunItem(p, n0, std::min(p.N, n0 + p.item_rows), buf);
+    RunItem(p, n0, std::min(p.N, n0 + p.item_rows), std::min(p.N, end * p.item_rows), buf);
   });
   return ffi::Error::Success();
 }

@@ -234,7 +234,14 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
   }
   PackAll(pool, p);
   const int64_t items = PlanItems(p, std::max<int64_t>(pool.num_threads(), 1));
-  ParallelFor(pool, items, [&p](int64_t i) { RunPlanned(p, i); });
+  // Decode-sized items are column ranges of W in memory order: one contiguous run of them per
+  // thread (`ParallelRanges`; a float32 decode step of one sequence, in one process in
+  // alternating blocks of 20 steps against interleaved items: 1.25 ms faster of 31, median of
+  // 16 rounds, faster in 13).
+  if (p.M <= MC)
+    pagedjax::ParallelRanges(pool, items, [&p](int64_t i, int64_t) { RunPlanned(p, i); });
+  else
+    ParallelFor(pool, items, [&p](int64_t i) { RunPlanned(p, i); });
   return ffi::Error::Success();
 }
 

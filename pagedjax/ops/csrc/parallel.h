@@ -12,6 +12,16 @@
 // weights, about 1 us of compute, took 8-16 us a call. Against sleeping at once, in one
 // process on 2 cores shared with a build, the median per call was 14.5 vs 14.8 us for that
 // call, 57 vs 63 us for 576 x 576 weights, 147 vs 155 us for 1536 x 576: within noise.)
+//
+// ParallelRanges(pool, n, fn) runs fn(i, end) for i in [0, n) for kernels that stream memory in
+// index order (the GGUF matmuls at decode sizes): [0, n) is cut into one contiguous range per
+// thread, which its thread walks forward, so that what a thread reads next follows what it
+// read (fn may prefetch up to `end`, the back of the range it walks); a thread done with its
+// range takes indices from the back of the others' (then end = i + 1). Against ParallelFor's
+// interleaved indices, a 576 x 3072 Q4_1 matmul at M = 1 on 2 spinning threads over 90 layers
+// in turn (a harness): 16-row items 127-147 us, 64-row items 90-106 us, two halves 79-92 us;
+// in the engine, see gguf_linear_cpu.cc and linear_cpu.cc. Each index runs once; the ranges
+// (thread t: [t n / T, (t + 1) n / T)) are claimed through one atomic word each.
 #pragma once
 
 #include <algorithm>
@@ -55,6 +65,76 @@ void ParallelFor(xla::ffi::ThreadPool& pool, int64_t n, const Fn& fn) {
     pool.Schedule(std::move(task));
   }
   drain();
+  if (st->done.load() == n) return;
+  const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(kSpinMicros);
+  for (int spins = 0; st->done.load(std::memory_order_acquire) != n; ++spins) {
+    CpuRelax();
+    if ((spins & 63) == 63 && std::chrono::steady_clock::now() > until) {
+      std::unique_lock<std::mutex> lock(st->mu);
+      st->cv.wait(lock, [&] { return st->done.load() == n; });
+      return;
+    }
+  }
+}
+
+template <typename Fn>
+void ParallelRanges(xla::ffi::ThreadPool& pool, int64_t n, const Fn& fn) {
+  if (n <= 0) return;
+  const int64_t T = std::clamp<int64_t>(pool.num_threads(), 1, std::min<int64_t>(n, 64));
+  if (T == 1) {
+    for (int64_t i = 0; i < n; ++i) fn(i, n);
+    return;
+  }
+  // Range t is [front, back) packed as front << 32 | back; one cache line each.
+  struct alignas(64) Range {
+    std::atomic<uint64_t> fb;
+  };
+  struct State {
+    std::unique_ptr<Range[]> ranges;
+    std::atomic<int64_t> claimed{0}, done{0};
+    std::mutex mu;
+    std::condition_variable cv;
+  };
+  auto st = std::make_shared<State>();
+  st->ranges.reset(new Range[T]);
+  for (int64_t t = 0; t < T; ++t)
+    st->ranges[t].fb.store((uint64_t(t * n / T) << 32) | uint64_t((t + 1) * n / T));
+  auto finish = [st, n](int64_t count) {
+    if (st->done.fetch_add(count) + count == n) {
+      std::lock_guard<std::mutex> lock(st->mu);
+      st->cv.notify_all();
+    }
+  };
+  auto walk = [st, n, T, &fn, finish] {
+    // Unclaimed ranges, forward from their front; then single indices from the others' backs.
+    for (int64_t t; (t = st->claimed.fetch_add(1)) < T;) {
+      std::atomic<uint64_t>& fb = st->ranges[t].fb;
+      for (uint64_t v = fb.load();;) {
+        const uint64_t f = v >> 32, b = v & 0xffffffffu;
+        if (f >= b) break;
+        if (!fb.compare_exchange_weak(v, ((f + 1) << 32) | b)) continue;
+        fn(int64_t(f), int64_t(b));
+        finish(1);
+        v = fb.load();
+      }
+    }
+    for (int64_t t = 0; t < T; ++t) {
+      std::atomic<uint64_t>& fb = st->ranges[t].fb;
+      for (uint64_t v = fb.load();;) {
+        const uint64_t f = v >> 32, b = v & 0xffffffffu;
+        if (f >= b) break;
+        if (!fb.compare_exchange_weak(v, (f << 32) | (b - 1))) continue;
+        fn(int64_t(b - 1), int64_t(b));
+        finish(1);
+        v = fb.load();
+      }
+    }
+  };
+  for (int64_t i = 1; i < T; ++i) {
+    auto task = walk;
+    pool.Schedule(std::move(task));
+  }
+  walk();
   if (st->done.load() == n) return;
   const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(kSpinMicros);
   for (int spins = 0; st->done.load(std::memory_order_acquire) != n; ++spins) {
