@@ -287,7 +287,8 @@ void RunItem(const Problem& p, int64_t n0, int64_t n1, int64_t pf_end, std::vect
     const int rr = int(std::min<int64_t>(R, n1 - n));
     // the rows two tiles ahead, as the float32 kernel does (profiles of a one-row decode step
     // of the default model, two runs: its fused gate/up call 167 us without, 123 us with)
-    Prefetch(p.w + (n + 2 * R) * p.row_bytes, std::min<int64_t>(pf_end - n - 2 * R, R) * p.row_bytes);
+    Prefetch(p.w + (n + 2 * R) * p.row_bytes,
+             std::min<int64_t>(pf_end - n - 2 * R, R) * p.row_bytes);
     for (int r = 0; r < rr; ++r)
       BlockHalves<B>(p.w + (n + r) * p.row_bytes, nb, &scales[r * stride],
                      kHasMin<T> ? &scales[r * stride + nb] : nullptr);

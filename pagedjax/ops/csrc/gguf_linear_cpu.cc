@@ -20,19 +20,19 @@
 // and a fixed tree over the lanes (`HSum`) gives y[m, n]. RB rows (6 on AVX-512, 4 elsewhere)
 // are dequantized into a buffer [RB][K] (L1) that every tile of x reads, or, in steps of at
 // most MT rows and formats of 32-value blocks, R = 4 rows straight into registers block by
-// block (`FusedTile`: no buffer, the same values and order). Each row's scales (f16) are converted together first (`BlockHalves`).
-// Every (m, n) is reduced in the same order whatever M is: a row's result does not depend on
-// what else is in its step (batch invariance).
-// Nor does it depend on the thread count. Vector width comes from simd.h (AVX-512,
-// AVX2 or the portable 4-float path, one build each).
+// block (`FusedTile`: no buffer, the same values and order). Each row's scales (f16) are
+// converted together first (`BlockHalves`). Every (m, n) is reduced in the same order
+// whatever M is: a row's result does not depend on what else is in its step (batch
+// invariance), nor on the thread count. Vector width comes from simd.h (AVX-512, AVX2 or the
+// portable 4-float path, one build each).
 //
 // Only the first `rows` rows of x are multiplied (a step padded to its shape bucket passes its
 // number of real tokens); the others are written as zeros. Work items are spread over XLA's
 // intra-op thread pool in one contiguous range of rows per thread (`ParallelRanges`: a
 // decode step of the default Q4_1 model, one sequence, in one process in alternating blocks
 // of 20 steps against interleaved items: 0.83-0.88 ms faster per step, median of 20 and 30
-// rounds, faster in 16 and 22 of them). A second handler, GgufDequantize, writes one layer's float32 values
-// (the steps too large for this kernel multiply them with XLA's dot). Built by
+// rounds, faster in 16 and 22 of them). A second handler, GgufDequantize, writes one layer's
+// float32 values (the steps too large for this kernel multiply them with XLA's dot). Built by
 // pagedjax/ops/cpu_kernels.py.
 
 #include <algorithm>

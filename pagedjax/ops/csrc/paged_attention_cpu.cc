@@ -12,9 +12,10 @@
 // paged attention): scores q.k of every visible position, their max, then exp(score - max)
 // weights applied to V, normalised by their sum at the end. The inner loops keep one head's
 // query (pass 1) or output accumulator (pass 2) in registers as vectors of the build's ISA path
-// (simd.h: 16, 8 or 4 floats) while the block's rows stream past; a
-// block read once serves every query and head of the item. Items are spread over XLA's
-// intra-op thread pool.
+// (simd.h: 16, 8 or 4 floats) while the block's rows stream past; a block read once serves
+// every query and head of the item (a step of fewer items than two per thread has one item per
+// KV head instead, each reading its head's rows). Items are spread over XLA's intra-op thread
+// pool.
 //
 // Sliding window (a runtime operand, so that it may differ per layer inside a scan): a query
 // at position p sees positions j with p - window < j <= p; an item starts at the block of its
@@ -89,9 +90,10 @@ struct Problem {
   float soft_cap;            // > 0: scores = soft_cap * tanh(scores / soft_cap)
 };
 
-// A work item: queries [q0, q0 + nq) of sequence s (indices within the sequence's queries).
+// A work item: queries [q0, q0 + nq) of sequence s (indices within the sequence's queries),
+// query heads [n0, n1) (whole groups of G heads: the heads of KV heads n0 / G .. n1 / G - 1).
 struct Item {
-  int64_t s, q0, nq;
+  int64_t s, q0, nq, n0, n1;
 };
 
 // The first `rows` rows ([rows, K * H]) of a cache block as float32: in place for a float32
@@ -147,8 +149,11 @@ void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch) {
   const int64_t first_pos = p.seq_lens[s] - qlen + it.q0;  // position of the item's query 0
   const int64_t ctx = std::min<int64_t>(first_pos + nq, p.B * BS);  // positions read
   float* out = p.out + (p.qsl[s] + it.q0) * N * H;
+  const int64_t n0 = it.n0, n1 = it.n1;
+  auto mine = [&](int64_t r) { return r % N >= n0 && r % N < n1; };  // a row of this item's heads
   if (first_pos < 0 || ctx <= 0) {  // inconsistent metadata: no attention, zeros
-    std::fill(out, out + nq * N * H, 0.0f);
+    for (int64_t qi = 0; qi < nq; ++qi)
+      std::fill(out + (qi * N + n0) * H, out + (qi * N + n1) * H, 0.0f);
     return;
   }
   auto start = [&](int64_t qi) {  // first position query qi sees
@@ -191,7 +196,7 @@ void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch) {
         const int64_t t0 = std::max<int64_t>(start(qi) - j * BS, 0);
         const int64_t t1 = std::min(BS, visible(qi) - j * BS);
         if (t1 <= t0) continue;
-        for (int64_t n = 0; n < N; ++n) visit(qi * N + n, t0, t1, block + (n / G) * H, j * BS);
+        for (int64_t n = n0; n < n1; ++n) visit(qi * N + n, t0, t1, block + (n / G) * H, j * BS);
       }
     }
   };
@@ -224,6 +229,7 @@ void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch) {
   // scores are columns [lo, hi) (the positions its query sees).
   const float cap = p.soft_cap, inv_cap = cap > 0.0f ? 1.0f / cap : 0.0f;
   for (int64_t r = 0; r < R; ++r) {
+    if (!mine(r)) continue;
     const int64_t lo = start(r / N) - base, hi = visible(r / N) - base;
     float* sr = scores + r * width;
     if (hi <= lo) {  // a window past a clamped context (inconsistent metadata): zeros
@@ -270,7 +276,8 @@ void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch) {
     }
   });
   for (int64_t r = 0; r < R; ++r)
-    for (int64_t h = 0; h < H; ++h) out[r * H + h] = acc[r * H + h] * inv[r];
+    if (mine(r))
+      for (int64_t h = 0; h < H; ++h) out[r * H + h] = acc[r * H + h] * inv[r];
 }
 
 using ItemFn = void (*)(const Problem&, const Item&, std::vector<float>&);
@@ -354,8 +361,21 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
     if (lo != p.qsl[s] || hi != p.qsl[s + 1])
       return ffi::Error::InvalidArgument("paged attention: query_start_loc out of order");
     for (int64_t q0 = 0; q0 < hi - lo; q0 += query_tile)
-      items.push_back({s, q0, std::min(query_tile, hi - lo - q0)});
+      items.push_back({s, q0, std::min(query_tile, hi - lo - q0), 0, p.N});
     covered = hi;
+  }
+  // Fewer items than two per thread (a step of a few sequences): one item per KV head, so
+  // that every thread has work (the heads are computed the same way, split or not). A decode
+  // step of one sequence, the default model (context growing from 138 to 1,400 tokens), in one
+  // process in alternating blocks of 20 steps: 1.6 ms faster per step than one item per
+  // sequence (median of 30 rounds, faster in 26).
+  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
+  if (p.K > 1 && int64_t(items.size()) < 2 * threads) {
+    std::vector<Item> split;
+    for (const Item& it : items)
+      for (int64_t kv = 0; kv < p.K; ++kv)
+        split.push_back({it.s, it.q0, it.nq, kv * p.G, (kv + 1) * p.G});
+    items.swap(split);
   }
   std::fill(p.out + covered * NH, p.out + p.T * NH, 0.0f);
   const ItemFn run = PickItemFn(p.H);
