@@ -137,6 +137,28 @@ def test_argmax_is_numpys_first_maximum():
     np.testing.assert_array_equal(np.asarray(got), np.argmax(r, -1))
 
 
+@pytest.mark.parametrize("rows", [1, 3, 8, 64])
+@pytest.mark.parametrize("vocab", [300, 1000, 49152])
+def test_argmax_agrees_with_numpy_whatever_the_rows(rows, vocab):
+    """Both forms (under 8 rows, and chunks of 128 from 8 rows on; a vocabulary not a multiple
+    of 128 padded): ties among few values, a NaN after the row's maximum (NumPy: the NaN), a
+    NaN in the last chunk, +inf with NaN, an all -inf row, -0.0 tied with 0.0."""
+    rng = np.random.default_rng(rows * vocab)
+    x = rng.integers(-3, 3, (rows, vocab)).astype(np.float32)
+    x[0, 5], x[0, vocab - 2] = 9.0, np.nan
+    if rows > 1:
+        x[1] = -np.inf
+    if rows > 2:
+        x[2, :] = -1.0
+        x[2, 7], x[2, 3], x[2, vocab - 1] = 0.0, -0.0, np.nan
+        x[2, 1] = np.inf
+    if rows > 3:
+        x[3, :] = -1.0
+        x[3, 3], x[3, 7] = -0.0, 0.0
+    want = np.argmax(x, -1)
+    np.testing.assert_array_equal(np.asarray(jax.jit(argmax)(jnp.asarray(x))), want)
+
+
 def test_greedy_rows_and_logprobs():
     rng = np.random.default_rng(1)
     logits = jnp.asarray(rng.standard_normal((3, 40)).astype(np.float32))
