@@ -19,6 +19,7 @@ the layout only when K > 0, so a step without speculation is packed as before.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import numpy as np
@@ -144,15 +145,16 @@ class PackedLayout:
             *(spec if K else ()),
         ]
 
-    @property
+    @functools.cached_property
     def offsets(self) -> dict[str, tuple[int, tuple[int, ...]]]:
+        """name -> (offset, shape) in the packed buffer (computed once per layout)."""
         out, off = {}, 0
         for name, shape in self.fields():
             out[name] = (off, shape)
             off += math.prod(shape)
         return out
 
-    @property
+    @functools.cached_property
     def size(self) -> int:
         return sum(math.prod(shape) for _, shape in self.fields())
 
@@ -252,6 +254,7 @@ class BatchBuilder:
         self.num_block_cols = math.ceil(cols / kv_chunk_pages) * kv_chunk_pages
         self.buckets = token_buckets(max_num_batched_tokens, sizes=sizes)
         self._buffers: dict[int, np.ndarray] = {}
+        self._views: dict[int, dict[str, np.ndarray]] = {}  # of each bucket's buffer
 
     def layout(self, num_tokens_bucket: int) -> PackedLayout:
         T = num_tokens_bucket
@@ -282,7 +285,7 @@ class BatchBuilder:
         first part samples nothing)."""
         if not num_microbatches:
             layout, buf = self.build(seqs)
-            v = layout.views(buf)
+            v = self._views[layout.num_tokens]
             qsl = v["query_start_loc"]
             first_rows = np.cumsum([0] + [1 + s.num_draft for s in seqs[:-1]]).tolist()
             return StepBatch(
@@ -350,9 +353,10 @@ class BatchBuilder:
         buf = self._buffers.get(layout.num_tokens)
         if buf is None:
             buf = self._buffers[layout.num_tokens] = np.zeros(layout.size, np.int32)
+            self._views[layout.num_tokens] = layout.views(buf)
         else:
             buf.fill(0)
-        v = layout.views(buf)
+        v = self._views[layout.num_tokens]
         T, bs, Tq = layout.num_tokens, self.block_size, self.query_tile_size
         n_seqs = len(seqs)
         qsl = np.zeros(n_seqs + 1, np.int64)
