@@ -256,8 +256,10 @@ void DotTile(const float* __restrict x, int64_t K, const float* __restrict w,
       for (int r = 0; r < RR; ++r) acc[m][r] += xv * wv[r];
     }
   }
+  float sums[M * RR];
+  HSumMany(&acc[0][0], M * RR, sums);
   for (int m = 0; m < M; ++m)
-    for (int r = 0; r < RR; ++r) y[m * N + r] = HSum(acc[m][r]);
+    for (int r = 0; r < RR; ++r) y[m * N + r] = sums[m * RR + r];
 }
 
 typedef void (*TileFn)(const float*, int64_t, const float*, float*, int64_t);
@@ -298,8 +300,10 @@ void FusedTile(const float* __restrict x, int64_t K, const uint8_t* __restrict w
           acc[m][r] += VLoad(x + m * K + i * 32 + v * kVecFloats) * wv[v];
     }
   }
+  float sums[M * RR];
+  HSumMany(&acc[0][0], M * RR, sums);
   for (int m = 0; m < M; ++m)
-    for (int r = 0; r < RR; ++r) y[m * N + r] = HSum(acc[m][r]);
+    for (int r = 0; r < RR; ++r) y[m * N + r] = sums[m * RR + r];
 }
 
 typedef void (*FusedFn)(const float*, int64_t, const uint8_t*, int64_t, const float*, float*,

@@ -111,6 +111,42 @@ inline float HSum(vf x) {
 #endif
 }
 
+// HSum of n vectors: out[i] = HSum(v[i]), the same bits. On AVX-512, 16 vectors at a time
+// go through the same tree in transposed form (each level adds the same lane pairs of 2, 4, 8
+// and 16 vectors at once: 45 vector operations for 16 sums, against 8 per sum), a group short
+// of 16 padded with zero vectors; under 6 vectors left, one by one. (The GGUF kernel's 4 x 6
+// tiles, one thread, M = 64, alternating runs: 3,703-3,886 against 4,076-4,137 us for a
+// 576 x 3072 Q4_1 layer, 2,181 against 2,213 for 1536 x 576; at M = 2, 205 against 219.)
+inline void HSumMany(const vf* v, int n, float* out) {
+  int i = 0;
+#if defined(PAGEDJAX_ISA_AVX512)
+  for (; n - i >= 6; i += 16) {
+    __m512 x[16];
+    for (int j = 0; j < 16; ++j) x[j] = i + j < n ? (__m512)v[i + j] : _mm512_setzero_ps();
+    __m512 s1[8], s2[4], s3[2];
+    for (int j = 0; j < 8; ++j)  // lanes k and k + 8 of each vector
+      s1[j] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * j], x[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                            _mm512_shuffle_f32x4(x[2 * j], x[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int j = 0; j < 4; ++j) {  // then k and k + 4: quarter q holds vector 4 j + q
+      const __m512 a = s1[2 * j], b = s1[2 * j + 1];
+      s2[j] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(2, 0, 2, 0)),
+                            _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+    }
+    for (int j = 0; j < 2; ++j)  // then k and k + 2
+      s3[j] = _mm512_add_ps(_mm512_shuffle_ps(s2[2 * j], s2[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                            _mm512_shuffle_ps(s2[2 * j], s2[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    // then k and k + 1: lane 4 q + j holds the sum of vector 4 j + q
+    const __m512 s4 = _mm512_add_ps(_mm512_shuffle_ps(s3[0], s3[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                    _mm512_shuffle_ps(s3[0], s3[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    const __m512 sums = _mm512_permutexvar_ps(order, s4);
+    _mm512_mask_storeu_ps(out + i, n - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1),
+                          sums);
+  }
+#endif
+  for (; i < n; ++i) out[i] = HSum(v[i]);
+}
+
 // kVecFloats bytes zero-extended to int32 lanes: GCC 12 compiles __builtin_convertvector of a
 // byte vector into byte-by-byte scalar loads and inserts (5x slower over a float8 block than
 // vpmovzxbd), so the x86 paths use the intrinsic.
