@@ -41,6 +41,22 @@ constexpr int64_t kSpinMicros = 200;
 
 inline void CpuRelax() { sched_yield(); }
 
+// Returns once done == n: yields the core for up to kSpinMicros, then sleeps on cv (whoever
+// makes done reach n notifies it under mu).
+inline void AwaitDone(const std::atomic<int64_t>& done, int64_t n, std::mutex& mu,
+                      std::condition_variable& cv) {
+  if (done.load() == n) return;
+  const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(kSpinMicros);
+  for (int spins = 0; done.load(std::memory_order_acquire) != n; ++spins) {
+    CpuRelax();
+    if ((spins & 63) == 63 && std::chrono::steady_clock::now() > until) {
+      std::unique_lock<std::mutex> lock(mu);
+      cv.wait(lock, [&] { return done.load() == n; });
+      return;
+    }
+  }
+}
+
 template <typename Fn>
 void ParallelFor(xla::ffi::ThreadPool& pool, int64_t n, const Fn& fn) {
   if (n <= 0) return;
@@ -65,16 +81,7 @@ void ParallelFor(xla::ffi::ThreadPool& pool, int64_t n, const Fn& fn) {
     pool.Schedule(std::move(task));
   }
   drain();
-  if (st->done.load() == n) return;
-  const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(kSpinMicros);
-  for (int spins = 0; st->done.load(std::memory_order_acquire) != n; ++spins) {
-    CpuRelax();
-    if ((spins & 63) == 63 && std::chrono::steady_clock::now() > until) {
-      std::unique_lock<std::mutex> lock(st->mu);
-      st->cv.wait(lock, [&] { return st->done.load() == n; });
-      return;
-    }
-  }
+  AwaitDone(st->done, n, st->mu, st->cv);
 }
 
 template <typename Fn>
@@ -135,16 +142,7 @@ void ParallelRanges(xla::ffi::ThreadPool& pool, int64_t n, const Fn& fn) {
     pool.Schedule(std::move(task));
   }
   walk();
-  if (st->done.load() == n) return;
-  const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(kSpinMicros);
-  for (int spins = 0; st->done.load(std::memory_order_acquire) != n; ++spins) {
-    CpuRelax();
-    if ((spins & 63) == 63 && std::chrono::steady_clock::now() > until) {
-      std::unique_lock<std::mutex> lock(st->mu);
-      st->cv.wait(lock, [&] { return st->done.load() == n; });
-      return;
-    }
-  }
+  AwaitDone(st->done, n, st->mu, st->cv);
 }
 
 }  // namespace pagedjax
