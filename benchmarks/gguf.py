@@ -27,8 +27,7 @@ each engine shares with the first (random prompts make near-ties, so a late flip
 Perplexity (`scoring.token_logprobs`, the text of `benchmarks/quality.py`) of the params of
 both engines: the kept blocks in chunks of 256 tokens (each layer dequantized inside the step,
 by the native kernel's dequantization, and XLA's dot) and, in chunks of 128 tokens, the native
-kernel (for gguf-q4_1-int8, the
-int8-activation kernel: its quality figure).
+kernel (for gguf-q4_1-int8, the int8-activation kernel: its quality figure).
 
 Weights: bytes of the params pytree as the engines hold them (`quant.weight_bytes`; the float32
 engine's includes its packed copy of the LM head). Resident memory: each engine alone in a
