@@ -78,6 +78,11 @@ TARGETS = {
 CXX_FLAGS = (
     "-O3",
     "-ffp-contract=fast",  # fused multiply-adds, whatever the compiler's default
+    # Tuned for no CPU in particular, so that a path computes the same bits on every CPU that
+    # runs it: GCC's tuning for AMD Zen leaves some multiply-add chains unfused (its
+    # avoid-fma-max-bits), differently in different code paths, and a row's bits then depend on
+    # its step's size (the batch-invariance tests failed on an EPYC's avx2 path).
+    "-mtune=generic",
     "-fno-math-errno",
     "-std=c++17",
     "-shared",
