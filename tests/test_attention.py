@@ -438,3 +438,11 @@ def test_native_kernel_reports_a_failed_build(monkeypatch, tmp_path):
     monkeypatch.setenv("PAGEDJAX_CACHE_DIR", str(tmp_path))
     with pytest.raises(RuntimeError, match="no C\\+\\+ compiler 'no-such-cxx'"):
         cpu_kernels.build("no-such-cxx")
+    # A compiler that fails: the failing command and its output in the message, nothing left
+    # in the cache.
+    cxx = tmp_path / "bad-cxx"
+    cxx.write_text("#!/bin/sh\necho 'bad-cxx: cannot compile' >&2\nexit 1\n")
+    cxx.chmod(0o755)
+    with pytest.raises(RuntimeError, match="(?s)building the CPU kernels failed.*cannot compile"):
+        cpu_kernels.build(str(cxx))
+    assert not list((tmp_path / "kernels").iterdir())
