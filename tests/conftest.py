@@ -171,6 +171,8 @@ WORKER_RUNS = {
     "uneven_report": [
         ("", "llama-l5=single+pp2,llama-l6=single+pp4,gemma3-l3=single+pp2-part12"),
     ],
+    # the default model's 30 layers over 4 stages (test_pipeline_stages, slow)
+    "smollm2_pp4_report": [("", "smollm2=single+pp4")],
     # Qwen3, the windowed Qwen2 and Gemma 3 on one device, TP=2 and PP=2
     "family_report": [("single,tp2,pp2", "qwen3,qwen2-swa,gemma3")],
 }
@@ -235,6 +237,11 @@ def llama3_report() -> dict:
 @pytest.fixture(scope="session")
 def uneven_report() -> dict:
     return worker_report("uneven_report")
+
+
+@pytest.fixture(scope="session")
+def smollm2_pp4_report() -> dict:
+    return worker_report("smollm2_pp4_report")["smollm2"]
 
 
 @pytest.fixture(scope="session")

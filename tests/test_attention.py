@@ -21,11 +21,26 @@ FAST_BACKENDS = ["xla", "cpu"]
 
 
 def _case(
-    seqs_spec, block_size, num_kv_heads, group, *, tile=8, chunk_pages=2, seed=0, max_tokens=256
+    seqs_spec,
+    block_size,
+    num_kv_heads,
+    group,
+    *,
+    tile=8,
+    chunk_pages=2,
+    seed=0,
+    max_tokens=256,
+    sizes=(16,),
+    num_blocks=None,
 ):
-    """Random cache + queries for sequences given as (cached_len, query_len)."""
+    """Random cache + queries for sequences given as (cached_len, query_len). The step is
+    padded to the smallest of `sizes` (then `max_tokens`) that holds it; the cache holds
+    `num_blocks` blocks (None: two more than the sequences use). Cases of one step size, cache
+    size and head layout share their compilations."""
     rng = np.random.default_rng(seed)
-    num_blocks = 2 + sum(-(-(c + q) // block_size) for c, q in seqs_spec)
+    used_blocks = sum(-(-(c + q) // block_size) for c, q in seqs_spec)
+    num_blocks = num_blocks or 2 + used_blocks
+    assert num_blocks > used_blocks
     perm = rng.permutation(np.arange(1, num_blocks))  # scattered block ids; 0 stays null
     seqs, used = [], 0
     for cached, q in seqs_spec:
@@ -41,7 +56,7 @@ def _case(
         block_size=block_size,
         query_tile_size=tile,
         kv_chunk_pages=chunk_pages,
-        sizes=(16,),  # the 16-token minimum: small cases keep padding rows
+        sizes=sizes,  # (16,): the 16-token minimum, small cases keep padding rows
     )
     layout, buf = builder.build(seqs)
     a = layout.unpack(buf.copy())
@@ -173,7 +188,10 @@ def test_xla_matches_reference(block_size, kv_heads, group, backend):
 @pytest.mark.parametrize("kv_heads,group", [(2, 1), (1, 3), (2, 4), (1, 8)])
 @pytest.mark.parametrize("case", list(_grid(16)))
 def test_xla_matches_reference_case_by_case(block_size, kv_heads, group, case):
-    _check_xla(_grid(block_size)[case], block_size, kv_heads, group)
+    """Each case of the grid alone in its step (every step padded to 128 tokens over a cache
+    of 64 blocks: the cases of one head layout share one compilation of each path)."""
+    spec = _grid(block_size)[case]
+    _check_xla(spec, block_size, kv_heads, group, max_tokens=128, sizes=(), num_blocks=64)
 
 
 GQA = [(2, 1), (1, 3), (2, 4), (1, 8)]

@@ -23,7 +23,8 @@ BLOCK = 8
 
 
 def _forward_chunks(params, cfg, kv, chunks, backend, block_ids):
-    """Runs one sequence's prompt through the model in the given chunks; returns all logits."""
+    """Runs one sequence's prompt through the model in the given chunks; returns all logits.
+    Steps are padded to 16 tokens or more (chunks of 1 to 16 tokens share one compilation)."""
     builder = BatchBuilder(
         max_num_batched_tokens=128,
         max_num_seqs=4,
@@ -31,6 +32,7 @@ def _forward_chunks(params, cfg, kv, chunks, backend, block_ids):
         block_size=BLOCK,
         query_tile_size=8,
         kv_chunk_pages=2,
+        sizes=(16,),
     )
     logits, start = [], 0
     fwd = jax.jit(

