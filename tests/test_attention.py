@@ -4,8 +4,6 @@ reference against a dense float64 NumPy softmax computed independently."""
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -71,8 +69,7 @@ def _case(
     return q, k_cache, v_cache, md, seqs, a
 
 
-@functools.partial(jax.jit, static_argnames=("backend", "window", "cap"))
-def _attn(q, k, v, md, backend, window=None, cap=None, k_scale=None, v_scale=None):
+def _attention(q, k, v, md, backend, window=None, cap=None, k_scale=None, v_scale=None):
     return ragged_paged_attention(
         q,
         k,
@@ -86,6 +83,11 @@ def _attn(q, k, v, md, backend, window=None, cap=None, k_scale=None, v_scale=Non
         sliding_window=window,
         logit_soft_cap=cap,
     )
+
+
+_attn = jax.jit(_attention, static_argnames=("backend", "window", "cap"))
+# The window an int32 array (0: none), as Gemma 3's per-layer windows: one compilation for all.
+_attn_traced_window = jax.jit(_attention, static_argnames=("backend", "cap"))
 
 
 def _numpy_dense(q, k_cache, v_cache, seqs, block_size, scale, window=None, cap=None):
@@ -156,7 +158,16 @@ def _grid(bs):
 
 
 def _check_xla(
-    spec, block_size, kv_heads, group, backend="xla", window=None, cap=None, kv_dtype=None, **kw
+    spec,
+    block_size,
+    kv_heads,
+    group,
+    backend="xla",
+    window=None,
+    cap=None,
+    kv_dtype=None,
+    traced_window=False,
+    **kw,
 ):
     q, k, v, md, _, a = _case(spec, block_size, kv_heads, group, seed=block_size + group, **kw)
     scales = {}
@@ -166,8 +177,11 @@ def _check_xla(
         v = (v / scales["v_scale"]).astype(kv_dtype)
     if cap is not None:
         q = q * CAP_Q_SCALE
-    ref = np.asarray(_attn(q, k, v, md, "reference", window, cap, **scales))
-    got = np.asarray(_attn(q, k, v, md, backend, window, cap, **scales))
+    attn = _attn
+    if traced_window:
+        attn, window = _attn_traced_window, jnp.int32(window or 0)
+    ref = np.asarray(attn(q, k, v, md, "reference", window, cap, **scales))
+    got = np.asarray(attn(q, k, v, md, backend, window, cap, **scales))
     np.testing.assert_allclose(got, ref, atol=2e-5, rtol=1e-5)
     total = int(a["query_start_loc"][-1])
     assert total < q.shape[0], "the case must include padding tokens"
@@ -226,15 +240,18 @@ def test_window_and_cap_match_reference(
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", FAST_BACKENDS)
-@pytest.mark.parametrize("window", [None, 1, 5, 16, 1000])
 @pytest.mark.parametrize("cap", [None, 30.0, 50.0])
-def test_window_and_cap_match_reference_wide(backend, window, cap):
-    """Every window x cap; block size, GQA ratio and cache dtype take turns."""
-    i = [None, 1, 5, 16, 1000].index(window) + 5 * [None, 30.0, 50.0].index(cap)
-    block_size, (kv_heads, group) = (16, 32, 8)[i % 3], GQA[i % 4]
-    kv_dtype = (None, "float8_e4m3fn")[i % 2]
+def test_window_and_cap_match_reference_wide(backend, cap):
+    """Every window x cap, the window traced (one compilation of each path per cap); block
+    size, GQA ratio and cache dtype take turns with the cap."""
+    i = [None, 30.0, 50.0].index(cap)
+    block_size, (kv_heads, group) = (16, 32, 8)[i], GQA[i + 1]
+    kv_dtype = (None, "float8_e4m3fn", "float8_e5m2")[i]
     spec = [s for case in _grid(block_size).values() for s in case]
-    _check_xla(spec, block_size, kv_heads, group, backend, window, cap, kv_dtype, max_tokens=512)
+    for window in [None, 1, 5, 16, 1000]:
+        _check_xla(
+            spec, block_size, kv_heads, group, backend, window, cap, kv_dtype, True, max_tokens=512
+        )
 
 
 @pytest.mark.parametrize("backend", ["reference", *FAST_BACKENDS])
