@@ -298,6 +298,33 @@ def test_packed_experts_native_matmul(moe_dirs):
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
 
 
+def test_packed_router_logits_do_not_depend_on_the_step(moe_dirs):
+    """The router is packed with the experts, so a token's router logits (and so its experts
+    and their weights) are the same bits in a step of 1, 7 or 64 rows as in one of 192: XLA's
+    dot on the plain router rounds by the step's shape (on an AVX2 EPYC it differed by
+    ~5e-7 and broke the batch invariance of a Mixtral's logprobs)."""
+    from pagedjax.ops import cpu_kernels, cpu_linear
+    from pagedjax.ops.linear import LayerView, linear
+
+    if not cpu_kernels.available():
+        pytest.skip(cpu_kernels.unavailable_reason())
+    _, params = _load(moe_dirs("mixtral"))
+    router = cpu_linear.pack_params(params)["layers"]["router"]
+    assert isinstance(router, cpu_linear.PackedWeight) and router.shape == (2, 64, 8)
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((192, 64)), jnp.float32)
+
+    @jax.jit
+    def f(x, layer):
+        w = LayerView(router, layer)
+        return (linear(x, w), *route(x, w, 2, True))
+
+    for layer in map(jnp.int32, (0, 1)):
+        full = f(x, layer)
+        for T in (1, 7, 64):
+            for a, b in zip(f(x[:T], layer), full, strict=True):
+                np.testing.assert_array_equal(a, b[:T])
+
+
 # ----------------------------------------------------------------------------- quantization
 
 

@@ -96,8 +96,10 @@ def unpack(w: PackedWeight) -> jax.Array:
 
 def pack_params(params: dict, max_rows: int = 0) -> dict:
     """The params pytree with its float32 linear weights (`quant.LINEAR_WEIGHTS` of
-    params["layers"]) replaced by `PackedWeight`s (a mixture-of-experts model's expert
-    stacks [L, E, K, N] too, as panels [L, E, P, K, 16]: `ops.linear.expert_linear`), and
+    params["layers"]) replaced by `PackedWeight`s (a mixture-of-experts model's router
+    [L, D, E] too, so that its logits, and so each token's choice of experts and their
+    weights, do not depend on the step's other rows; and its expert stacks [L, E, K, N], as
+    panels [L, E, P, K, 16]: `ops.linear.expert_linear`), and
     the LM head packed as params["lm_head"], a `PackedWeight` of [1, D, V]; other leaves
     (quantized weights, norms, embeddings) unchanged. With tied embeddings the packed LM
     head is a second, transposed copy of the embedding matrix (V x D float32: 113 MB for
@@ -106,7 +108,7 @@ def pack_params(params: dict, max_rows: int = 0) -> dict:
     size)."""
     layers = dict(params["layers"])
     pack_jit = jax.jit(pack)
-    for name in LINEAR_WEIGHTS:
+    for name in (*LINEAR_WEIGHTS, "router"):
         if supports(layers.get(name)) and not isinstance(layers[name], PackedWeight):
             packed = jax.block_until_ready(pack_jit(layers[name]))
             layers[name] = packed.replace(max_rows=max_rows)
