@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -187,8 +188,38 @@ def _run_all(folder: Path, cache_dir: str, runs) -> dict:
     return report
 
 
+def _shared_root() -> Path | None:
+    """Under pytest-xdist, a folder all workers of this run see (None in one process)."""
+    uid = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if uid is None:
+        return None
+    root = Path(tempfile.gettempdir()) / f"pagedjax-workers-{uid}"
+    root.mkdir(exist_ok=True)
+    return root
+
+
+def _run_and_publish(name: str, root: Path, shared: bool) -> dict:
+    """Runs `WORKER_RUNS[name]`; with `shared`, writes its report (or its error) where the
+    other xdist workers wait for it, and drops its folder once done."""
+    folder = root / name
+    try:
+        report = _run_all(folder, str(root / "xla-cache"), WORKER_RUNS[name])
+    except BaseException as e:
+        if shared:
+            (root / f"{name}.error").write_text(f"{type(e).__name__}: {e}")
+        raise
+    if shared:
+        tmp = root / f".{name}.json"
+        tmp.write_text(json.dumps(report))
+        os.replace(tmp, root / f"{name}.json")
+        shutil.rmtree(folder, ignore_errors=True)
+    return report
+
+
 def pytest_collection_finish(session):
-    """Starts the worker runs the selected tests need (`WORKER_RUNS`), in the background."""
+    """Starts the worker runs the selected tests need (`WORKER_RUNS`), in the background.
+    Under pytest-xdist every worker collects the same tests: the first to claim the queue
+    runs it and publishes each report in a shared folder, where the others read it."""
     global _worker_root
     needed = [
         name
@@ -197,30 +228,50 @@ def pytest_collection_finish(session):
     ]
     if not needed:
         return
-    _worker_root = Path(tempfile.mkdtemp(prefix="pagedjax-workers-"))
+    shared = _shared_root()
+    if shared is not None:
+        try:
+            os.close(os.open(shared / "queue.claim", os.O_CREAT | os.O_EXCL))
+        except FileExistsError:
+            return  # another worker runs the queue
+        _worker_root = shared
+    else:
+        _worker_root = Path(tempfile.mkdtemp(prefix="pagedjax-workers-"))
     pool = concurrent.futures.ThreadPoolExecutor(1, "sharding-worker")
     for name in needed:
-        folder = _worker_root / name
-        cache = str(_worker_root / "xla-cache")
-        _worker_runs[name] = pool.submit(_run_all, folder, cache, WORKER_RUNS[name])
+        _worker_runs[name] = pool.submit(_run_and_publish, name, _worker_root, shared is not None)
     pool.shutdown(wait=False)
 
 
 def pytest_sessionfinish(session, exitstatus):
-    for fut in _worker_runs.values():
-        fut.cancel()
+    if _shared_root() is None:  # under xdist another worker may still wait for a report
+        for fut in _worker_runs.values():
+            fut.cancel()
     if _worker_root is not None:
         concurrent.futures.wait(list(_worker_runs.values()))
-        shutil.rmtree(_worker_root, ignore_errors=True)
+        shutil.rmtree(_worker_root / "xla-cache", ignore_errors=True)
+        if _shared_root() is None:
+            shutil.rmtree(_worker_root, ignore_errors=True)
 
 
 def worker_report(name: str) -> dict:
-    """The report of `WORKER_RUNS[name]` (waits for its background run)."""
+    """The report of `WORKER_RUNS[name]` (waits for its background run, in this process or,
+    under pytest-xdist, in the worker that claimed the queue)."""
     fut = _worker_runs.get(name)
-    if fut is None:  # collection did not see the fixture (not expected): run it now
-        folder = Path(tempfile.mkdtemp(prefix="pagedjax-worker-"))
-        return _run_all(folder, str(folder / "xla-cache"), WORKER_RUNS[name])
-    return fut.result()
+    if fut is not None:
+        return fut.result()
+    shared = _shared_root()
+    if shared is not None and (shared / "queue.claim").exists():
+        for _ in range(3000):
+            if (shared / f"{name}.json").exists():
+                return json.loads((shared / f"{name}.json").read_text())
+            if (shared / f"{name}.error").exists():
+                raise RuntimeError(f"{name}: " + (shared / f"{name}.error").read_text())
+            time.sleep(1)
+        raise TimeoutError(f"{name}: no report from the worker that claimed the queue")
+    # collection did not see the fixture (not expected): run it now
+    folder = Path(tempfile.mkdtemp(prefix="pagedjax-worker-"))
+    return _run_all(folder, str(folder / "xla-cache"), WORKER_RUNS[name])
 
 
 @pytest.fixture(scope="session")

@@ -168,3 +168,36 @@ def test_gguf_import_undoes_the_qk_permutation(tmp_path, tiny_llama_dir):
     assert conv.kind == "orbax"
     _assert_same(loader.load_params(conv, cfg), params)
     assert loader.converted_gguf_source(source, str(tmp_path / "cache")) == conv
+
+
+def test_cache_folders_are_published_whole(tmp_path):
+    """A cache folder appears only once written (renamed from a temporary sibling): a second
+    writer keeps the first one's folder, a failing writer leaves nothing, and a leftover
+    without its completion file (an interrupted in-place writer) is replaced."""
+    from pagedjax.models.checkpoint_io import publish_folder
+
+    out = tmp_path / "cache" / "model"
+
+    def writer(text):
+        def write(folder):
+            (folder / "done.json").write_text(text)
+
+        return write
+
+    publish_folder(out, writer("first"), "done.json")
+    publish_folder(out, writer("second"), "done.json")
+    assert (out / "done.json").read_text() == "first"
+
+    def failing(folder):
+        (folder / "part").write_text("x")
+        raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError, match="disk full"):
+        publish_folder(tmp_path / "cache" / "other", failing, "done.json")
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["model"]
+
+    leftover = tmp_path / "cache" / "stale"
+    leftover.mkdir()
+    (leftover / "half").write_text("x")
+    publish_folder(leftover, writer("whole"), "done.json")
+    assert sorted(p.name for p in leftover.iterdir()) == ["done.json"]

@@ -1,11 +1,16 @@
 """Saving and restoring params with orbax-checkpoint, and writing reloadable converted folders
-(`save_converted`: config.json, the tokenizer, params/ and the conversion marker)."""
+(`save_converted`: config.json, the tokenizer, params/ and the conversion marker; `publish_folder`
+puts a cache folder in place whole, so that processes filling the cache at once never read a
+half-written one)."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import logging
+import os
+import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -121,3 +126,30 @@ def save_converted(
     save_params(out / "params", params)
     with open(out / CONVERTED_MARKER, "w") as f:
         json.dump({"origin": origin}, f)
+
+
+def publish_folder(out: str | Path, write: Callable[[Path], None], complete_file: str) -> Path:
+    """Writes a cache folder whole: `write(tmp)` fills a temporary sibling of `out`, which is
+    then renamed to `out`. If another process published `out` first, its folder stays and
+    this one is dropped (both wrote the same content), so a reader never sees a folder
+    being written. An `out` without `complete_file` (left by an interrupted writer of an
+    older version, which wrote in place) is replaced.
+
+    Raises:
+        whatever `write` raises (the temporary folder is removed).
+    """
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+    try:
+        write(tmp)
+        try:
+            os.rename(tmp, out)
+        except OSError:  # `out` exists: published meanwhile, or an incomplete leftover
+            if not (out / complete_file).exists():
+                shutil.rmtree(out, ignore_errors=True)
+                with contextlib.suppress(OSError):
+                    os.rename(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out

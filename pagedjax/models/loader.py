@@ -44,7 +44,12 @@ import numpy as np
 
 from pagedjax.models import quant_loader, registry
 from pagedjax.models.arch_config import DecoderArchConfig
-from pagedjax.models.checkpoint_io import restore_params, save_converted, save_params
+from pagedjax.models.checkpoint_io import (
+    publish_folder,
+    restore_params,
+    save_converted,
+    save_params,
+)
 from pagedjax.models.gguf_file import assign_gguf, gguf_arch_config, gguf_reader, gguf_tensors
 from pagedjax.models.hf_checkpoint import assign_hf, hf_tensors
 from pagedjax.models.sources import (
@@ -238,7 +243,7 @@ def gguf_tokenizer(source: ModelSource, download_dir: str | None = None):
         return AutoTokenizer.from_pretrained(str(out))
     tokenizer = load_tokenizer(source)
     with contextlib.suppress(OSError):
-        tokenizer.save_pretrained(str(out))
+        publish_folder(out, lambda t: tokenizer.save_pretrained(str(t)), "tokenizer_config.json")
     return tokenizer
 
 
@@ -258,5 +263,7 @@ def converted_gguf_source(source: ModelSource, download_dir: str | None = None) 
     except Exception as e:  # a GGUF without tokenizer metadata still has usable weights
         logger.warning("no tokenizer in %s (%s); pass tokenizer=<folder>", source.path, e)
         tokenizer = None
-    save_converted(out, cfg, params, tokenizer, origin=source.path)
+    publish_folder(
+        out, lambda t: save_converted(t, cfg, params, tokenizer, source.path), CONVERTED_MARKER
+    )
     return ModelSource("orbax", str(out))
