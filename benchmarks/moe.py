@@ -2,16 +2,19 @@
 against `jax.lax.ragged_dot`, and a tiny MoE model against a dense one of the same active
 parameters on the standard workload.
 
-    python -m benchmarks.moe [--out benchmarks/results/moe.json] [--skip-workload]
+    python -m benchmarks.moe [--out benchmarks/results/moe.json] [--skip-workload] [--layers 8]
 
 1. Experts sweep: `models.moe_layer.moe_block` (router included) at fixed top-2 and fixed
    active parameters (D=256, Fe=512 per expert: 1.57 MB of float32 weights) for E = 8, 16,
    32, at decode-sized steps (T=16 and 64 tokens) and a prefill-sized one (T=512): XLA's
    cost-analysis FLOPs of the compiled block, its median wall time, and the number of
    distinct experts the step's tokens chose; on the engine's CPU path (packed stacks, the
-   native grouped matmul) and on XLA's (plain stacks). The goal: the 32-expert block costs
-   at most 1.5x the 8-expert one. (A step that chooses more distinct experts must read more
-   weight bytes: at 16 tokens, 32 assignments touch all 8 of 8 experts but about 20 of 32.)
+   native grouped matmul) and on XLA's (plain stacks). Each sweep runs twice: one layer per
+   call (its stack stays in cache between calls) and `--layers` layers per call (a scan over
+   per-layer stacks, as a model's step: each layer's experts start cold); times are per
+   layer. The goal: the 32-expert block costs at most 1.5x the 8-expert one. (A step that
+   chooses more distinct experts must read more weight bytes: at 16 tokens, 32 assignments
+   touch all 8 of 8 experts but about 20 of 32; `bytes_vs_8` and `expert_gb_s` say so.)
 2. One expert matmul of sorted rows three ways: the grouped matmul (XLA: each tile's expert
    weight gathered, a batched dot), `jax.lax.ragged_dot` (on XLA's CPU backend it computes
    every expert over every row, FLOPs x E), and the native grouped matmul
@@ -51,64 +54,81 @@ def _timed(fn, *args, reps: int = 20) -> float:
     return median(times)
 
 
-def _native_stack(w: jax.Array):
-    """An [E, D, F] expert stack as the engine holds it under linear_backend="cpu": layer 0
-    of a packed [1, E, ...] stack, read in place by the native grouped matmul."""
-    from pagedjax.ops.linear import LayerView
-
-    E, K, N = w.shape
-    p = cpu_linear.pack(w)
-    stack = cpu_linear.PackedWeight(p.panels.reshape(1, E, *p.panels.shape[1:]), p.n)
-    return LayerView(stack, jnp.asarray(0, jnp.int32))
+def _native_stack(w: jax.Array) -> cpu_linear.PackedWeight:
+    """An [L, E, D, F] expert stack as the engine holds it under linear_backend="cpu": a
+    packed [L, E, ...] stack, each layer read in place by the native grouped matmul."""
+    L, E, K, N = w.shape
+    p = cpu_linear.pack(w.reshape(L * E, K, N))
+    return cpu_linear.PackedWeight(p.panels.reshape(L, E, *p.panels.shape[1:]), p.n)
 
 
-def experts_sweep(tokens: int, backend: str, k: int = 2, reps: int = 20) -> list[dict]:
+def experts_sweep(
+    tokens: int, backend: str, k: int = 2, reps: int = 20, layers: int = 1
+) -> list[dict]:
     """The MoE block (router included) for E = 8, 16, 32: FLOPs, and wall times taken
     interleaved (one call of each E per round) so that a busy machine slows all alike.
     backend "xla": plain stacks (the grouped matmul gathers each tile's expert weight);
     "native": packed stacks through the native grouped matmul (the engine's CPU path).
-    `distinct_experts`: the experts the step's tokens chose (each read once by the native
-    kernel: its weight bytes are `expert_mb` each)."""
+    `layers` > 1: one call runs the block of each of `layers` layers in turn (a scan over
+    [layers, E, ...] stacks, each layer with its own router and weights, as a model's step
+    does), so a layer's experts are not in cache when it starts, unlike `layers` = 1, where
+    the 8-expert stack (12.6 MB) stays cache-resident across the timed calls. Times are per
+    layer. `distinct_experts`: the experts a layer's tokens chose, averaged over layers (each
+    read once by the native kernel: its weight bytes are `expert_mb` each); `expert_gb_s`:
+    those bytes over the per-layer time."""
     from pagedjax.models.moe_layer import moe_block, route
+    from pagedjax.ops.linear import LayerView
 
     rng = np.random.default_rng(0)
+    native = backend == "native"
 
-    def block(w, router, x):
-        ids, weights = route(x, router, k, True)
-        return moe_block(w, x, ids, weights)
+    def model(w, routers, x):
+        def layer(acc, i):
+            lw = {
+                name: LayerView(a, i) if native else jax.lax.dynamic_index_in_dim(a, i, 0, False)
+                for name, a in w.items()
+            }
+            ids, weights = route(x, routers[i], k, True)
+            return acc + moe_block(lw, x, ids, weights), None
+
+        return jax.lax.scan(layer, jnp.zeros_like(x), jnp.arange(layers, dtype=jnp.int32))[0]
 
     runs = []
     for E in (8, 16, 32):
         w = {
-            "experts_gate": jnp.asarray(rng.normal(0, 0.05, (E, D, FE)), jnp.float32),
-            "experts_up": jnp.asarray(rng.normal(0, 0.05, (E, D, FE)), jnp.float32),
-            "experts_down": jnp.asarray(rng.normal(0, 0.05, (E, FE, D)), jnp.float32),
+            "experts_gate": jnp.asarray(rng.normal(0, 0.05, (layers, E, D, FE)), jnp.float32),
+            "experts_up": jnp.asarray(rng.normal(0, 0.05, (layers, E, D, FE)), jnp.float32),
+            "experts_down": jnp.asarray(rng.normal(0, 0.05, (layers, E, FE, D)), jnp.float32),
         }
-        router = jnp.asarray(rng.normal(0, 0.05, (D, E)), jnp.float32)
+        routers = jnp.asarray(rng.normal(0, 0.05, (layers, D, E)), jnp.float32)
         x = jnp.asarray(rng.normal(size=(tokens, D)), jnp.float32)
-        distinct = len(np.unique(np.asarray(route(x, router, k, True)[0])))
-        if backend == "native":
+        chosen = [np.asarray(route(x, routers[i], k, True)[0]) for i in range(layers)]
+        distinct = float(np.mean([len(np.unique(c)) for c in chosen]))
+        if native:
             w = {name: _native_stack(a) for name, a in w.items()}
-        fn = jax.jit(block)
-        flops = fn.lower(w, router, x).compile().cost_analysis()["flops"]
-        jax.block_until_ready(fn(w, router, x))
-        runs.append((E, fn, (w, router, x), flops, distinct, []))
+        fn = jax.jit(model)
+        flops = fn.lower(w, routers, x).compile().cost_analysis()["flops"] / layers
+        jax.block_until_ready(fn(w, routers, x))
+        runs.append((E, fn, (w, routers, x), flops, distinct, []))
     for _ in range(reps):
         for _, fn, args, _, _, times in runs:
             t0 = time.perf_counter()
             jax.block_until_ready(fn(*args))
-            times.append(time.perf_counter() - t0)
+            times.append((time.perf_counter() - t0) / layers)
+    mb = 3 * D * FE * 4 / 1e6
     out = [
         dict(
             backend=backend,
+            layers=layers,
             num_experts=E,
             tokens=tokens,
             top_k=k,
             flops=flops,
             active_flops=2 * 3 * tokens * k * D * FE,
             distinct_experts=distinct,
-            expert_mb=3 * D * FE * 4 / 1e6,
+            expert_mb=mb,
             step_ms=1e3 * median(times),
+            expert_gb_s=distinct * mb / 1e3 / median(times),
         )
         for E, _, _, flops, distinct, times in runs
     ]
@@ -116,6 +136,7 @@ def experts_sweep(tokens: int, backend: str, k: int = 2, reps: int = 20) -> list
     for r in out:
         r["flops_vs_8"] = r["flops"] / base["flops"]
         r["time_vs_8"] = r["step_ms"] / base["step_ms"]
+        r["bytes_vs_8"] = r["distinct_experts"] / base["distinct_experts"]
     return out
 
 
@@ -148,7 +169,9 @@ def grouped_vs_ragged(tokens: int, E: int = 8, k: int = 2) -> dict:
     if cpu_kernels.available():
         # the native grouped matmul reads each expert's rows against its weight in place
         # from a packed stack (one kernel call), instead of XLA's gather of the tiles' weights
-        packed = _native_stack(w)
+        from pagedjax.ops.linear import LayerView
+
+        packed = LayerView(_native_stack(w[None]), jnp.asarray(0, jnp.int32))
 
         def native(x, packed, group):
             _, dest, tile_group = group_layout(group, E, m, n_tiles)
@@ -230,6 +253,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", default="benchmarks/results/moe.json")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--skip-workload", action="store_true")
+    ap.add_argument(
+        "--layers", type=int, default=8, help="layers per call in the cold-weights sweep"
+    )
     ns = ap.parse_args(argv)
     result = {
         "environment": environment(),
@@ -237,8 +263,9 @@ def main(argv=None) -> dict:
             row
             for backend in ("native", "xla")
             if backend == "xla" or cpu_kernels.available()
+            for layers in (1, ns.layers)
             for tokens in (16, 64, 512)
-            for row in experts_sweep(tokens, backend)
+            for row in experts_sweep(tokens, backend, layers=layers)
         ],
         "grouped_vs_ragged_dot": [grouped_vs_ragged(t) for t in (1, 8, 32, 256)],
     }
