@@ -3,9 +3,9 @@
     python -m benchmarks.kv_cache_fp8 [--batch-size 8,64] [--input-len 256] [--output-len 16]
         [--reps 3] [--kv-cache-memory-bytes 1073741824] [--out benchmarks/results/kv_cache_fp8.json]
 
-Two engines in one process on the default model (SmolLM2-135M, float32 weights), the same
-KV-cache byte budget each: `kv_cache_dtype="auto"` (float32 pages) and `"fp8"`
-(float8_e4m3fn pages: a quarter of the bytes). For each batch size B, B requests of
+Two engines in one process on the default model as `LLM()` loads it (SmolLM2-135M, its Q4_1
+blocks kept, float32 activations), the same KV-cache byte budget each: `kv_cache_dtype="auto"`
+(float32 pages) and `"fp8"` (float8_e4m3fn pages: a quarter of the bytes). For each batch size B, B requests of
 `--input-len` random prompt tokens decode `--output-len` tokens, greedy (`latency.run_batch`);
 the engines alternate, `--reps` times after a warm-up each; reported: the median decode step
 (B tokens) and its device part. From each engine's start-up log line: the blocks, the tokens
