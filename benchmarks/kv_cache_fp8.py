@@ -5,13 +5,13 @@
 
 Two engines in one process on the default model as `LLM()` loads it (SmolLM2-135M, its Q4_1
 blocks kept, float32 activations), the same KV-cache byte budget each: `kv_cache_dtype="auto"`
-(float32 pages) and `"fp8"` (float8_e4m3fn pages: a quarter of the bytes). For each batch size B, B requests of
-`--input-len` random prompt tokens decode `--output-len` tokens, greedy (`latency.run_batch`);
-the engines alternate, `--reps` times after a warm-up each; reported: the median decode step
-(B tokens) and its device part. From each engine's start-up log line: the blocks, the tokens
-they hold and the maximum concurrency for `max_model_len`-token requests. Threads: XLA's pool,
-every core; on a shared machine timings are noisy, hence the alternation. Last, each engine's
-greedy chat answer to "What is the capital of France?".
+(float32 pages) and `"fp8"` (float8_e4m3fn pages: a quarter of the bytes). For each batch size
+B, B requests of `--input-len` random prompt tokens decode `--output-len` tokens, greedy
+(`latency.run_batch`); the engines alternate, `--reps` times after a warm-up each; reported:
+the median decode step (B tokens) and its device part. From each engine's start-up log line:
+the blocks, the tokens they hold and the maximum concurrency for `max_model_len`-token
+requests. Threads: XLA's pool, every core; on a shared machine timings are noisy, hence the
+alternation. Last, each engine's greedy chat answer to "What is the capital of France?".
 """
 
 from __future__ import annotations
