@@ -40,6 +40,7 @@ import numpy as np
 
 from benchmarks.common import environment, load_workload, median
 from pagedjax.ops import cpu_kernels, cpu_linear
+from pagedjax.ops.linear import LayerView
 
 D, FE = 256, 512
 
@@ -77,7 +78,6 @@ def experts_sweep(
     read once by the native kernel: its weight bytes are `expert_mb` each); `expert_gb_s`:
     those bytes over the per-layer time."""
     from pagedjax.models.moe_layer import moe_block, route
-    from pagedjax.ops.linear import LayerView
 
     rng = np.random.default_rng(0)
     native = backend == "native"
@@ -169,8 +169,6 @@ def grouped_vs_ragged(tokens: int, E: int = 8, k: int = 2) -> dict:
     if cpu_kernels.available():
         # the native grouped matmul reads each expert's rows against its weight in place
         # from a packed stack (one kernel call), instead of XLA's gather of the tiles' weights
-        from pagedjax.ops.linear import LayerView
-
         packed = LayerView(_native_stack(w[None]), jnp.asarray(0, jnp.int32))
 
         def native(x, packed, group):
@@ -263,7 +261,7 @@ def main(argv=None) -> dict:
             row
             for backend in ("native", "xla")
             if backend == "xla" or cpu_kernels.available()
-            for layers in (1, ns.layers)
+            for layers in sorted({1, ns.layers})
             for tokens in (16, 64, 512)
             for row in experts_sweep(tokens, backend, layers=layers)
         ],
