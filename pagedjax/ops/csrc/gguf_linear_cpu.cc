@@ -20,11 +20,11 @@
 // and a fixed tree over the lanes (`HSum`) gives y[m, n]. RB rows (6 on AVX-512, 4 elsewhere)
 // are dequantized into a buffer [RB][K] (L1) that every tile of x reads, or, in steps of at
 // most MT rows and formats of 32-value blocks, R = 4 rows straight into registers block by
-// block (`FusedTile`: no buffer, the same values and order). Each row's scales (f16) are
-// converted together first (`BlockHalves`). Every (m, n) is reduced in the same order
-// whatever M is: a row's result does not depend on what else is in its step (batch
-// invariance), nor on the thread count. Vector width comes from simd.h (AVX-512, AVX2 or the
-// portable 4-float path, one build each).
+// block (`FusedTile`: no buffer, the same values and order), the R rows' f16 scales of a block
+// converted together (`GroupHalves`; the row buffer's rows convert theirs first, `BlockHalves`).
+// Every (m, n) is reduced in the same order whatever M is: a row's result does not depend on
+// what else is in its step (batch invariance), nor on the thread count. Vector width comes
+// from simd.h (AVX-512, AVX2 or the portable 4-float path, one build each).
 //
 // Only the first `rows` rows of x are multiplied (a step padded to its shape bucket passes its
 // number of real tokens); the others are written as zeros. Work items are spread over XLA's
@@ -280,20 +280,22 @@ const std::array<std::array<TileFn, MT + 1>, RB + 1> kTile =
 // Small M (at most MT rows of x), formats of 32-value blocks: the R rows' blocks dequantized
 // straight into registers and multiplied at once, without the row buffer. The same values
 // (Block32) and, per (m, n), the same order of accumulation as DotTile over the buffer, so the
-// result is the same bits as for any other M.
+// result is the same bits as for any other M. (Single thread, Zen 4 EPYC, a 576 x 3072 Q4_1
+// layer at M = 1: 116-118 us with the scales converted here against 139-149 us with each row's
+// converted first by a gather, the same bits.)
 template <int64_t T, int M, int RR>
 void FusedTile(const float* __restrict x, int64_t K, const uint8_t* __restrict w,
-               int64_t row_bytes, const float* __restrict scales, float* __restrict y,
-               int64_t N) {
+               int64_t row_bytes, float* __restrict y, int64_t N) {
   const int64_t nb = K / 32;
   vf acc[M][RR];
   for (int m = 0; m < M; ++m)
     for (int r = 0; r < RR; ++r) acc[m][r] = vf{};
   for (int64_t i = 0; i < nb; ++i) {
+    alignas(32) float dm[8];
+    GroupHalves<RR>(w + i * kBlockBytes<T>, row_bytes, dm);
     for (int r = 0; r < RR; ++r) {
-      const float* sc = scales + r * 2 * nb;  // row r's d [nb], then its m [nb]
       vf wv[kBlockVecs];
-      Block32<T>(w + r * row_bytes + i * kBlockBytes<T>, sc[i], kHasMin<T> ? sc[nb + i] : 0.0f,
+      Block32<T>(w + r * row_bytes + i * kBlockBytes<T>, dm[2 * r], kHasMin<T> ? dm[2 * r + 1] : 0.0f,
                  wv);
       for (int m = 0; m < M; ++m)
         for (int v = 0; v < kBlockVecs; ++v)
@@ -306,8 +308,7 @@ void FusedTile(const float* __restrict x, int64_t K, const uint8_t* __restrict w
     for (int r = 0; r < RR; ++r) y[m * N + r] = sums[m * RR + r];
 }
 
-typedef void (*FusedFn)(const float*, int64_t, const uint8_t*, int64_t, const float*, float*,
-                        int64_t);
+typedef void (*FusedFn)(const float*, int64_t, const uint8_t*, int64_t, float*, int64_t);
 typedef std::array<std::array<FusedFn, MT + 1>, R + 1> FusedTable;
 
 template <int64_t T, int RR, int... Ms>
@@ -324,25 +325,18 @@ const FusedTable kFused = {
     FusedRow<T, 4>(std::make_integer_sequence<int, MT>{}),
 };
 
-// The fused tiles of a format (nullptr for the K-quants, which take the row buffer), and the
-// conversion of one row's block scales into d [nb], m [nb].
+// The fused tiles of a format (nullptr for the K-quants, which take the row buffer).
 struct Fused {
   const FusedTable* tiles = nullptr;
-  void (*halves)(const uint8_t*, int64_t, float*, float*) = nullptr;
 };
-
-template <int64_t T>
-void RowHalves(const uint8_t* b, int64_t nb, float* d, float* m) {
-  BlockHalves<kBlockBytes<T>>(b, nb, d, kHasMin<T> ? m : nullptr);
-}
 
 Fused FusedFor(int64_t qtype) {
   switch (qtype) {
-    case Q4_0: return {&kFused<Q4_0>, RowHalves<Q4_0>};
-    case Q4_1: return {&kFused<Q4_1>, RowHalves<Q4_1>};
-    case Q5_0: return {&kFused<Q5_0>, RowHalves<Q5_0>};
-    case Q5_1: return {&kFused<Q5_1>, RowHalves<Q5_1>};
-    case Q8_0: return {&kFused<Q8_0>, RowHalves<Q8_0>};
+    case Q4_0: return {&kFused<Q4_0>};
+    case Q4_1: return {&kFused<Q4_1>};
+    case Q5_0: return {&kFused<Q5_0>};
+    case Q5_1: return {&kFused<Q5_1>};
+    case Q8_0: return {&kFused<Q8_0>};
     default: return {};
   }
 }
@@ -366,15 +360,12 @@ constexpr int64_t kPrefetchRows = 2 * R;
 void RunItem(const Problem& p, int64_t n0, int64_t n1, int64_t pf_end, std::vector<float>& buf) {
   const int64_t nb = p.K / 32;
   if (p.M <= MT && p.fused.tiles != nullptr) {
-    buf.resize(R * 2 * nb);
     for (int64_t n = n0; n < n1; n += R) {
       const int rr = int(std::min<int64_t>(R, n1 - n));
       const uint8_t* w = p.w + n * p.row_bytes;
       Prefetch(w + kPrefetchRows * p.row_bytes,
                std::min<int64_t>(pf_end - n - kPrefetchRows, R) * p.row_bytes);
-      for (int j = 0; j < rr; ++j)
-        p.fused.halves(w + j * p.row_bytes, nb, &buf[j * 2 * nb], &buf[j * 2 * nb + nb]);
-      (*p.fused.tiles)[rr][p.M](p.x, p.K, w, p.row_bytes, buf.data(), p.y + n, p.N);
+      (*p.fused.tiles)[rr][p.M](p.x, p.K, w, p.row_bytes, p.y + n, p.N);
     }
     return;
   }
