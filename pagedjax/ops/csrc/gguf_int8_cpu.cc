@@ -14,7 +14,7 @@
 //     sum_k w_k x_k ~= sum_b dx_b [d_b (sum_j u_j xq_j - o s_b) + m_b s_b],
 // the integer sum exact in int32 (|u xq| <= 255 * 127, 32 terms), the rest in float32.
 //
-// On AVX-512 with VNNI, one block of a group of 4 output rows at a time, for up to 4 rows of x
+// On AVX-512 with VNNI, one block of a group of 4 output rows at a time, for up to 8 rows of x
 // (`VnniGroup`): the 4 rows' weight bytes in one register (nibble formats, a 128-bit lane per
 // row) or two (Q8_0, a 256-bit half per row), the x block broadcast to match, vpdpbusd into
 // int32 lanes, the offset subtracted exactly, the 4 rows' scales converted together and spread
