@@ -164,7 +164,6 @@ inline float BlockDot(const uint8_t* b, float d, const int8_t* xq, float dx, int
   return d * dx * float(acc - kOffset<T> * s);
 }
 
-
 struct Problem {
   const QuantX* xq;
   const uint8_t* w;  // this layer's rows [N][row_bytes]
@@ -326,8 +325,8 @@ constexpr std::array<GroupFn, MT + 1> GroupRow(std::integer_sequence<int, Ms...>
 }
 #endif
 
-// Output rows [n0, n1) (the prefetches run up to pf_end): VNNI groups of R rows of W where the
-// path has them, else each row and each pass of up to MT rows of x in scalar code.
+// Output rows [n0, n1) (the prefetches run up to pf_end): VNNI groups of R rows of W, for up to
+// MT rows of x at a time, where the path has them, else row by row in scalar code.
 template <int64_t T>
 void RunItem(const Problem& p, int64_t n0, int64_t n1, int64_t pf_end, std::vector<float>& scales) {
 #if defined(PAGEDJAX_GGUF_VNNI)
