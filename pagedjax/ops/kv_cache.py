@@ -88,9 +88,12 @@ def write_kv(
         slot_mapping: [T] int32 physical slot of each token (padding tokens: a slot of block 0).
         k_scale, v_scale: a float8 cache's scalar float32 scales of this layer (None: 1.0):
             the cache stores `saturate(k / k_scale)`. Ignored for a cache in a wider dtype.
-        native: write a float8 cache through the native CPU call (`cpu_kernels`, the "cpu"
-            attention backend's), which copies only the T new rows, in place; XLA's CPU
-            scatter into a float8 array (or its uint8 view) passes over the whole cache.
+        native: write through the native CPU call (`cpu_kernels`, the "cpu" attention
+            backend's), which copies only the T new rows, in place. XLA's CPU scatter into a
+            float8 array (or its uint8 view) passes over the whole cache; into a float32 one it
+            is about nine small ops per layer (index arithmetic, bounds checks, two dynamic
+            updates): in a one-request decode step of the default model, 16 us per layer
+            against 3 us for the call (a profile).
 
     Returns:
         The updated (k_cache, v_cache); in place when the caller donates the cache.
@@ -98,7 +101,7 @@ def write_kv(
     Raises:
         RuntimeError: `native` where the native kernels are unavailable.
     """
-    if native and is_quantized_cache(k_cache.dtype):
+    if native:
         return _write_native(
             k_cache,
             v_cache,
