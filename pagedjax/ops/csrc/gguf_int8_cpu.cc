@@ -78,7 +78,8 @@ void QuantizeBlocks(const float* x, int64_t i0, int64_t i1, QuantX& out) {
       const __m512 scaled = _mm512_mul_ps(v, _mm512_set1_ps(inv));
       const __m512 a = _mm512_abs_ps(scaled);
       const __m512 t = _mm512_roundscale_ps(a, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-      const __mmask16 up = _mm512_cmp_ps_mask(_mm512_sub_ps(a, t), _mm512_set1_ps(0.5f), _CMP_GE_OQ);
+      const __mmask16 up =
+          _mm512_cmp_ps_mask(_mm512_sub_ps(a, t), _mm512_set1_ps(0.5f), _CMP_GE_OQ);
       const __m512 r = _mm512_min_ps(_mm512_mask_add_ps(t, up, t, _mm512_set1_ps(1.0f)),
                                      _mm512_set1_ps(127.0f));
       const __m512i u = _mm512_cvttps_epi32(r);
@@ -276,7 +277,8 @@ void VnniGroup(const Problem& p, const uint8_t* const* rows, int64_t m0, int rr,
       const int8_t* xb = X.q.data() + xi * 32;
       __m512i isum[kRegs];
       if constexpr (kQ8) {
-        const __m512i xv = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb)));
+        const __m512i xv =
+            _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb)));
         const __m512i os = _mm512_slli_epi32(
             _mm512_broadcast_i64x4(
                 _mm256_loadu_si256(reinterpret_cast<const __m256i*>(X.sl8.data() + xi * 8))),
@@ -288,17 +290,20 @@ void VnniGroup(const Problem& p, const uint8_t* const* rows, int64_t m0, int rr,
             _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xb)));
         const __m512i xhi =
             _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xb + 16)));
-        isum[0] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xlo), hi, xhi);
-        if constexpr (kOffsetShift<T> != 0)
-          isum[0] = _mm512_sub_epi32(
-              isum[0], _mm512_slli_epi32(_mm512_broadcast_i32x4(_mm_loadu_si128(
-                                             reinterpret_cast<const __m128i*>(X.sl4.data() + xi * 4))),
-                                         kOffsetShift<T>));
+        isum[0] =
+            _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xlo), hi, xhi);
+        if constexpr (kOffsetShift<T> != 0) {
+          const __m512i sl = _mm512_broadcast_i32x4(
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(X.sl4.data() + xi * 4)));
+          isum[0] = _mm512_sub_epi32(isum[0], _mm512_slli_epi32(sl, kOffsetShift<T>));
+        }
       }
       const __m512 dx = _mm512_set1_ps(X.d[xi]);
       for (int g = 0; g < kRegs; ++g)
-        acc[m][g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[g]), _mm512_mul_ps(dv[g], dx), acc[m][g]);
-      if constexpr (kHasMin<T>) acc[m][0] = _mm512_fmadd_ps(mv, _mm512_set1_ps(X.ds[xi]), acc[m][0]);
+        acc[m][g] =
+            _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[g]), _mm512_mul_ps(dv[g], dx), acc[m][g]);
+      if constexpr (kHasMin<T>)
+        acc[m][0] = _mm512_fmadd_ps(mv, _mm512_set1_ps(X.ds[xi]), acc[m][0]);
     }
   }
   for (int m = 0; m < MM; ++m) {

@@ -294,8 +294,8 @@ void FusedTile(const float* __restrict x, int64_t K, const uint8_t* __restrict w
     GroupHalves<RR>(w + i * kBlockBytes<T>, row_bytes, dm);
     for (int r = 0; r < RR; ++r) {
       vf wv[kBlockVecs];
-      Block32<T>(w + r * row_bytes + i * kBlockBytes<T>, dm[2 * r], kHasMin<T> ? dm[2 * r + 1] : 0.0f,
-                 wv);
+      Block32<T>(w + r * row_bytes + i * kBlockBytes<T>, dm[2 * r],
+                 kHasMin<T> ? dm[2 * r + 1] : 0.0f, wv);
       for (int m = 0; m < M; ++m)
         for (int v = 0; v < kBlockVecs; ++v)
           acc[m][r] += VLoad(x + m * K + i * 32 + v * kVecFloats) * wv[v];
@@ -325,18 +325,14 @@ const FusedTable kFused = {
 };
 
 // The fused tiles of a format (nullptr for the K-quants, which take the row buffer).
-struct Fused {
-  const FusedTable* tiles = nullptr;
-};
-
-Fused FusedFor(int64_t qtype) {
+const FusedTable* FusedFor(int64_t qtype) {
   switch (qtype) {
-    case Q4_0: return {&kFused<Q4_0>};
-    case Q4_1: return {&kFused<Q4_1>};
-    case Q5_0: return {&kFused<Q5_0>};
-    case Q5_1: return {&kFused<Q5_1>};
-    case Q8_0: return {&kFused<Q8_0>};
-    default: return {};
+    case Q4_0: return &kFused<Q4_0>;
+    case Q4_1: return &kFused<Q4_1>;
+    case Q5_0: return &kFused<Q5_0>;
+    case Q5_1: return &kFused<Q5_1>;
+    case Q8_0: return &kFused<Q8_0>;
+    default: return nullptr;
   }
 }
 
@@ -347,7 +343,7 @@ struct Problem {
   int64_t M, K, N, row_bytes;
   int64_t item_rows;  // output rows per work item (a multiple of the tile's rows of W)
   DequantFn dequant;
-  Fused fused;
+  const FusedTable* fused;  // small-M tiles, or nullptr
 };
 
 // Rows ahead that a small step prefetches: two groups (one and three measured within noise of
@@ -357,13 +353,13 @@ constexpr int64_t kPrefetchRows = 2 * R;
 // Output rows [n0, n1); a small step prefetches rows up to pf_end (where its thread's walk
 // goes on, `ParallelRanges`).
 void RunItem(const Problem& p, int64_t n0, int64_t n1, int64_t pf_end, std::vector<float>& buf) {
-  if (p.M <= MT && p.fused.tiles != nullptr) {
+  if (p.M <= MT && p.fused != nullptr) {
     for (int64_t n = n0; n < n1; n += R) {
       const int rr = int(std::min<int64_t>(R, n1 - n));
       const uint8_t* w = p.w + n * p.row_bytes;
       Prefetch(w + kPrefetchRows * p.row_bytes,
                std::min<int64_t>(pf_end - n - kPrefetchRows, R) * p.row_bytes);
-      (*p.fused.tiles)[rr][p.M](p.x, p.K, w, p.row_bytes, p.y + n, p.N);
+      (*p.fused)[rr][p.M](p.x, p.K, w, p.row_bytes, p.y + n, p.N);
     }
     return;
   }
@@ -408,7 +404,7 @@ ffi::Error GgufLinear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
   // About eight items per thread (load balance), 1 to 4 units each (a unit: 16 rows for the
   // fused tiles, 4 buffers of RB rows otherwise).
-  const int64_t unit = p.M <= MT && p.fused.tiles != nullptr ? 4 * R : 4 * RB;
+  const int64_t unit = p.M <= MT && p.fused != nullptr ? 4 * R : 4 * RB;
   p.item_rows = unit * std::clamp<int64_t>(p.N / (unit * 8 * threads), 1, 4);
   const int64_t items = (p.N + p.item_rows - 1) / p.item_rows;
   pagedjax::ParallelRanges(pool, items, [&p](int64_t i, int64_t end) {
