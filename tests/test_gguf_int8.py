@@ -64,6 +64,32 @@ def test_int8_activations_match_the_quantized_product_on_every_path(isa):
         assert np.max(np.abs(f32 - got[:7])) / np.max(np.abs(f32)) > 1e-5  # x was quantized
 
 
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q8_0"])
+def test_large_int8_steps_of_a_native_stack(fmt):
+    """Steps of more than `cpu_gguf.MAX_TOKENS` rows on a native stack with int8 activations
+    (layer 1 through a `LayerView`, K = 544: an odd number of blocks, N = 37: a short panel):
+    where the VNNI path runs, the int8 kernel (its panel path) takes them, within TOL of the
+    quantized product, each row the same bits as alone; elsewhere the float32 route."""
+    from pagedjax.ops.linear import LayerView, linear
+
+    rng = np.random.default_rng(31)
+    stack = np.stack([blocks_for(fmt, 37, 544, seed=s) for s in (32, 33)])
+    w = gq.GGUFWeight(jnp.asarray(stack), fmt, 544, native=True, activations="int8")
+    step = jax.jit(lambda x, w: linear(x, LayerView(w, jnp.int32(1))))
+    x = rng.normal(size=(300, 544)).astype(np.float32)
+    alone = np.asarray(step(jnp.asarray(x[:1]), w))
+    every_size = cpu_gguf.int8_every_size(w)
+    for m in (cpu_gguf.MAX_TOKENS + 1, 300):
+        got = np.asarray(step(jnp.asarray(x[:m]), w))
+        if every_size:
+            err = _check(x[:m], stack[1], fmt, got)
+            assert err < TOL, (fmt, m, err)
+            np.testing.assert_array_equal(got[:1], alone, err_msg=f"{fmt} M={m}")
+        else:
+            f32 = np.asarray(cpu_gguf.matmul(jnp.asarray(x[:m]), w, 1, activations="float32"))
+            np.testing.assert_allclose(got, f32, rtol=1e-4, atol=1e-4)
+
+
 def test_k_quants_and_bad_settings():
     """A K-quant weight multiplies float32 activations whatever the setting (the same bits);
     an unknown setting is a ValueError naming it; only the real rows are computed."""

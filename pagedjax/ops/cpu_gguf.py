@@ -18,7 +18,11 @@ block of x to int8 (scale max|x| / 127, rounded to nearest), as llama.cpp quanti
 activations for its integer dot products (Q8_0, `quantize_row_q8_0`), and multiplies by the
 blocks' integers with int32 sums (VNNI `vpdpbusd` on AVX-512 machines that have it, scalar
 code elsewhere), scaling per block in float32. It is an approximation of the float32 product:
-each activation moves by up to half a quantization step (max|x| / 254 of its block).
+each activation moves by up to half a quantization step (max|x| / 254 of its block). Where
+the VNNI path runs (`int8_every_size`), it takes steps of every size (from 9 rows, weights
+repacked in panels, `csrc/gguf_int8_panels.h`, ~2-3x XLA's float32 dot per thread), each row
+with the same bits whatever the step's size; elsewhere steps over `MAX_TOKENS` take the
+float32 route above.
 """
 
 from __future__ import annotations
@@ -91,6 +95,18 @@ def matmul(
         qtype=GGML_TYPE_IDS[w.qtype],
         block_values=bs,
         block_bytes=nbytes,
+    )
+
+
+def int8_every_size(w: GGUFWeight, isa: str | None = None) -> bool:
+    """Whether `matmul` takes `w` in steps of every size: int8 activations on a format of
+    `INT8_FORMATS`, on the avx512 path of a CPU with AVX-512 VNNI (the integer kernel's panel
+    path). Else steps of more than `MAX_TOKENS` rows go to `dequantize` and XLA's dot."""
+    return (
+        w.activations == "int8"
+        and w.qtype in INT8_FORMATS
+        and (isa or cpu_kernels.default_isa()) == "avx512"
+        and cpu_kernels.has_cpu_flag("avx512_vnni")
     )
 
 

@@ -63,7 +63,12 @@ SOURCES = (  # the longest to compile first (they compile in parallel)
     CSRC / "kv_write_cpu.cc",
 )
 # Included by the sources: part of the cache key.
-HEADERS = (CSRC / "simd.h", CSRC / "parallel.h", CSRC / "gguf_blocks.h")
+HEADERS = (
+    CSRC / "simd.h",
+    CSRC / "parallel.h",
+    CSRC / "gguf_blocks.h",
+    CSRC / "gguf_int8_panels.h",
+)
 # FFI target name -> the handler symbol the library exports.
 TARGETS = {
     "pagedjax_paged_attention_cpu": "PagedAttentionCpu",
@@ -134,6 +139,12 @@ def runnable_isas() -> tuple[str, ...]:
         return ("portable",)
     flags = _cpu_flags()
     return tuple(isa for isa in ISAS if _ISA_CPU_FLAGS[isa] <= flags)
+
+
+@functools.cache
+def has_cpu_flag(flag: str) -> bool:
+    """Whether the CPU reports `flag` in /proc/cpuinfo (e.g. "avx512_vnni"); False elsewhere."""
+    return _X86 and flag in _cpu_flags()
 
 
 def native_isa() -> str:

@@ -17,10 +17,12 @@ matmul. Weight kinds:
                one weight ([in, out], or a stack of one, [1, in, out]: the LM head).
     gguf       GGUF quantized blocks kept as in the file (`ops.gguf_quant.GGUFWeight`): the
                native kernel (`ops.cpu_gguf.matmul`) in steps of up to `cpu_gguf.MAX_TOKENS`
-               tokens when the weight is marked `native` (a stack then read in place, as a
-               `LayerView`) and in larger steps the layer dequantized by the native kernel
-               (`cpu_gguf.dequantize`) and XLA's dot; a weight not marked `native`: the layer
-               dequantized inside the step by XLA and XLA's dot (`gguf_quant.matmul_xla`).
+               tokens (every step with int8 activations on AVX-512 VNNI,
+               `cpu_gguf.int8_every_size`) when the weight is marked `native` (a stack then
+               read in place, as a `LayerView`) and in larger steps the layer dequantized by
+               the native kernel (`cpu_gguf.dequantize`) and XLA's dot; a weight not marked
+               `native`: the layer dequantized inside the step by XLA and XLA's dot
+               (`gguf_quant.matmul_xla`).
 A new kind is one more branch of `linear` and, if it is stored stacked and read in place, of
 `reads_in_place`; nothing in the model changes.
 
@@ -124,10 +126,11 @@ def _unpacked_dot(x: jax.Array, w: LayerView) -> jax.Array:
 
 def _gguf_linear(x: jax.Array, w: GGUFWeight | LayerView, num_rows) -> jax.Array:
     """A GGUF weight (one layer's, or a `LayerView` of a native stack): the native kernel for
-    a native weight in a step of up to `cpu_gguf.MAX_TOKENS` rows, its layer dequantized by
-    the native kernel and XLA's dot in larger steps; XLA alone for other weights."""
+    a native weight in a step of up to `cpu_gguf.MAX_TOKENS` rows (of any size where
+    `cpu_gguf.int8_every_size`), its layer dequantized by the native kernel and XLA's dot in
+    larger steps; XLA alone for other weights."""
     stack, index = (w.stack, w.index) if isinstance(w, LayerView) else (w, 0)
-    if stack.native and x.shape[0] <= cpu_gguf.MAX_TOKENS:
+    if stack.native and (x.shape[0] <= cpu_gguf.MAX_TOKENS or cpu_gguf.int8_every_size(stack)):
         return cpu_gguf.matmul(x, stack, index, num_rows).astype(x.dtype)
     if stack.native:
         wt = cpu_gguf.dequantize(stack, index).astype(x.dtype)  # [out, in]

@@ -14,15 +14,19 @@
 //     sum_k w_k x_k ~= sum_b dx_b [d_b (sum_j u_j xq_j - o s_b) + m_b s_b],
 // the integer sum exact in int32 (|u xq| <= 255 * 127, 32 terms), the rest in float32.
 //
-// On AVX-512 with VNNI, one block of a group of 4 output rows at a time, for up to 8 rows of x
-// (`VnniGroup`): the 4 rows' weight bytes in one register (nibble formats, a 128-bit lane per
-// row) or two (Q8_0, a 256-bit half per row), the x block broadcast to match, vpdpbusd into
-// int32 lanes, the offset subtracted exactly, the 4 rows' scales converted together and spread
-// over their lanes; a fixed tree over a row's lanes at the end. Single thread, Zen 4 EPYC, a
-// 576 x 3072 Q4_1 layer at M = 1: 55-61 us (rows in L2 or not) against 119-166 us for the tiles
-// this replaced (two blocks of one row per register, each row's scales converted first by a
-// gather). Elsewhere the same sums block by block in scalar code. Each (m, n) is computed the
-// same way whatever M is (batch invariance), and whatever the thread count.
+// On AVX-512 with VNNI, each block's integer sum is exact (less the offset) and is scaled and
+// accumulated in float32 in one fixed order: even blocks into acc_0, odd ones into acc_1,
+// y = acc_0 + acc_1. Two paths give every (m, n) exactly those operations, so that a row's
+// result does not depend on M, on which path runs, or on the thread count (batch invariance):
+// - up to 8 rows of x (`VnniGroup`): one block of a group of 4 output rows at a time, the 4
+//   rows' weight bytes in one register (nibble formats, a 128-bit lane per row) or two (Q8_0, a
+//   256-bit half per row), the x block broadcast to match, vpdpbusd into int32 lanes, a row's
+//   lanes summed in place, the 4 rows' scales converted together and spread over their lanes.
+//   Single thread, Zen 4 EPYC, a 576 x 3072 Q4_1 layer at M = 1: 62-75 us;
+// - from 9 rows (`PanelItem`, csrc/gguf_int8_panels.h): the weights repacked in panels of 16
+//   output rows, an int32 lane per row, 64 products per vpdpbusd; the same layer at M = 37
+//   ~500 us (~130 GMAC/s, against ~55 for the groups).
+// Elsewhere the same sums block by block in scalar code (one float32 accumulator).
 
 #include <algorithm>
 #include <array>
@@ -33,6 +37,7 @@
 #include <vector>
 
 #include "gguf_blocks.h"
+#include "gguf_int8_panels.h"
 #include "parallel.h"
 #include "simd.h"
 #if defined(__x86_64__)
@@ -45,24 +50,10 @@ namespace ffi = xla::ffi;
 namespace {
 
 using namespace pagedjax_gguf;
+using namespace pagedjax_gguf_int8;
 
-#if defined(PAGEDJAX_ISA_AVX512) && defined(__AVX512VNNI__)
-#define PAGEDJAX_GGUF_VNNI 1
-#endif
-
-// x quantized: q [M][K] int8, d [M][nb] scales, s [M][nb] integer sums, ds [M][nb] = d * s.
-// For the VNNI groups, per row and block, the integer sums of the values each int32 lane of
-// vpdpbusd meets: sl4 [M][nb][4] for the nibble formats (lane j: values 4j..4j+3 and
-// 16+4j..16+4j+3), sl8 [M][nb][8] for Q8_0 (lane j: values 4j..4j+3).
-struct QuantX {
-  std::vector<int8_t> q;
-  std::vector<float> d, ds;
-  std::vector<int32_t> s;
-  std::vector<int32_t> sl4, sl8;
-};
-
-// Blocks [i0, i1) of x (32 values each, rows one after another) -> out's q, d, s, ds (and sl4,
-// sl8 on the VNNI path); out already sized (`SizeFor`). On AVX-512 in vector code with the same
+// Blocks [i0, i1) of x (32 values each, rows one after another) -> out's q, d, s and ds; out
+// already sized (`SizeFor`). On AVX-512 in vector code with the same
 // values as the scalar code: the same max, division and product, and round half away from
 // zero done exactly (floor(|v|), plus one where |v| - floor(|v|) >= 1/2, which is exact).
 void QuantizeBlocks(const float* x, int64_t i0, int64_t i1, QuantX& out) {
@@ -104,11 +95,6 @@ void QuantizeBlocks(const float* x, int64_t i0, int64_t i1, QuantX& out) {
     out.d[i] = d;
     out.s[i] = sum;
     out.ds[i] = d * float(sum);
-#if defined(PAGEDJAX_GGUF_VNNI)
-    for (int j = 0; j < 8; ++j)
-      out.sl8[i * 8 + j] = int32_t(q[4 * j]) + q[4 * j + 1] + q[4 * j + 2] + q[4 * j + 3];
-    for (int j = 0; j < 4; ++j) out.sl4[i * 4 + j] = out.sl8[i * 8 + j] + out.sl8[i * 8 + 4 + j];
-#endif
   }
 }
 
@@ -118,10 +104,6 @@ void SizeFor(int64_t M, int64_t K, QuantX& out) {
   out.d.resize(M * nb);
   out.ds.resize(M * nb);
   out.s.resize(M * nb);
-#if defined(PAGEDJAX_GGUF_VNNI)
-  out.sl4.resize(M * nb * 4);
-  out.sl8.resize(M * nb * 8);
-#endif
 }
 
 void QuantizeRows(const float* x, int64_t M, int64_t K, QuantX& out) {
@@ -165,19 +147,8 @@ inline float BlockDot(const uint8_t* b, float d, const int8_t* xq, float dx, int
   return d * dx * float(acc - kOffset<T> * s);
 }
 
-struct Problem {
-  const QuantX* xq;
-  const uint8_t* w;  // this layer's rows [N][row_bytes]
-  float* y;          // [M, N]
-  int64_t M, K, N, row_bytes;
-  int64_t item_rows;
-};
-
 constexpr int MT = 8;  // rows of x per pass over a group (8 against 4: -12 % at M = 16 and 64)
 constexpr int R = 4;   // rows of W per VNNI group
-
-template <int64_t T>
-constexpr int kOffsetShift = T == Q4_0 ? 3 : T == Q5_0 ? 4 : T == Q8_0 ? 7 : 0;  // o = 2^shift
 
 // Block b of one output row with one row of x, in scalar code: d dx (sum u xq - o s) + m dx s.
 template <int64_t T>
@@ -191,135 +162,158 @@ inline float ScalarBlock(const uint8_t* row, const float* ds, const float* ms, c
 }
 
 #if defined(PAGEDJAX_GGUF_VNNI)
-// Where a block's quantized values start (after d, m and qh).
-template <int64_t T>
-constexpr int64_t kValues = T == Q4_0 ? 2 : T == Q4_1 ? 4 : T == Q5_0 ? 6 : T == Q5_1 ? 8 : 2;
-
 // A group of 4 output rows (rows[0..3]; a short group repeats its last row) times MM rows of x
-// (m0, ...), one block at a time. The weight bytes of the 4 rows in 512-bit registers:
-// - nibble formats: one register, 128-bit lane r holding row r's 16 nibble bytes, the low
-//   nibbles (values 0-15) and the high ones (16-31) masked out in place (fifth bits added
-//   through a byte mask); the x block's values 0-15 and 16-31 broadcast to the 4 lanes, two
-//   vpdpbusd give int32 lane 4r + j row r's sum over values 4j..4j+3 and 16+4j..16+4j+3;
-// - Q8_0: two registers of two rows (256-bit halves) of bytes + 128 (unsigned), the x block
-//   broadcast to both halves, one vpdpbusd each: lane 8h + j row h's values 4j..4j+3.
-// The offset o (8, 16, 128 for Q4_0, Q5_0, Q8_0) times each lane's sum of the x values it met
-// (`QuantX` sl4 / sl8) is subtracted in int32, exactly. The 4 rows' f16 words at the block's
-// start (d and m) are loaded as one 128-bit vector, converted together and spread by vpermps
-// to each lane's d (and, for Q4_1 / Q5_1, m in the first lane of each row, 0 elsewhere); then
-// acc += float(isum) * (d dx) and acc += m * (dx s), so that a row's lanes hold its dot
-// product, summed at the end in a fixed tree. (The scales are converted here, block by block:
-// converting each row's scales first with a gather took about half of this kernel's time on a
-// Zen 4 EPYC, whose gathers are slow; a row's 32-value blocks unpacked in pairs, as before,
-// took twice the time.) Each (m, n) takes the same operations whatever MM, the group and the
-// thread count are (batch invariance).
+// (m0, ...). Each (m, n) gets exactly the operations of the panel path (`PanelTile`): per
+// block b, the integer sum less the offset, isum_b = sum_j u_j xq_j - o s_b, exact; then
+// acc_{b mod 2} += float(isum_b) (d_b dx_b) and, with a min, acc_{b mod 2} += m_b (dx_b s_b);
+// y = acc_0 + acc_1. The weight bytes of the 4 rows in 512-bit registers:
+// - nibble formats (`NibbleGroup`), two blocks at a time: per block one register, 128-bit lane
+//   r holding row r's 16 nibble bytes, the low nibbles (values 0-15) and the high ones (16-31)
+//   masked out in place (`FourRows`); the x block's values 0-15 and 16-31 broadcast to the 4
+//   lanes, two vpdpbusd give int32 lane 4r + j row r's sum over values 4j..4j+3 and
+//   16+4j..16+4j+3 (-o s starting lane 0). The two blocks' sums are folded together, block b's
+//   total into lanes 4r and 4r+1, block b+1's into 4r+2 and 4r+3 (two unpacks, a shuffle, two
+//   adds), and scaled and accumulated in one go: lanes 4r hold acc_0, 4r+2 acc_1.
+// - Q8_0 (`Q8Group`): two registers of two rows (256-bit halves) of bytes + 128 (unsigned), the
+//   x block broadcast to both halves, one vpdpbusd each; a row's 8 lanes summed in place
+//   (three shuffles), accumulated into lanes 0-3 of a half for even blocks, 4-7 for odd ones.
+// The rows' f16 words at a block's start (d and m) are loaded together, converted and spread
+// by vpermps. (The scales are converted here, block by block: converting each row's scales
+// first with a gather took about half of this kernel's time on a Zen 4 EPYC, whose gathers are
+// slow; a row's 32-value blocks unpacked in pairs, as before, took twice the time.) Each (m, n)
+// takes the same operations whatever MM, the group and the thread count are, and whichever of
+// this path and the panel path runs (batch invariance).
 template <int64_t T, int MM>
-void VnniGroup(const Problem& p, const uint8_t* const* rows, int64_t m0, int rr, int64_t n) {
-  constexpr bool kQ8 = T == Q8_0;
-  constexpr int kRegs = kQ8 ? 2 : 1;  // weight registers per block
+void NibbleGroup(const Problem& p, const uint8_t* const* rows, int64_t m0, int rr, int64_t n) {
   const QuantX& X = *p.xq;
   const int64_t nb = p.K / 32;
-  constexpr int64_t B = kBlockBytes<T>, off = kValues<T>;
-  // lane -> its row's d (and m) in the converted [d0 m0 d1 m1 d2 m2 d3 m3]
-  const __m512i d_lanes[2] = {
-      kQ8 ? _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2)
-          : _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6),
-      _mm512_setr_epi32(4, 4, 4, 4, 4, 4, 4, 4, 6, 6, 6, 6, 6, 6, 6, 6)};
-  const __m512i m_lanes = _mm512_setr_epi32(1, 0, 0, 0, 3, 0, 0, 0, 5, 0, 0, 0, 7, 0, 0, 0);
-  __m512 acc[MM][kRegs];
-  for (int m = 0; m < MM; ++m)
-    for (int g = 0; g < kRegs; ++g) acc[m][g] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
+  constexpr int64_t B = kBlockBytes<T>;
+  // lane -> its row's d (and m) in the converted [d0 m0 .. d3 m3 | block b + 1's]
+  const __m512i d_idx = _mm512_setr_epi32(0, 0, 8, 8, 2, 2, 10, 10, 4, 4, 12, 12, 6, 6, 14, 14);
+  const __m512i m_idx = _mm512_setr_epi32(1, 1, 9, 9, 3, 3, 11, 11, 5, 5, 13, 13, 7, 7, 15, 15);
+  const __m512i zero = _mm512_setzero_si512();
+  __m512 acc[MM];
+  for (int m = 0; m < MM; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; b += 2) {
+    const bool two = b + 1 < nb;  // else block b + 1 is zeros (scales 0)
     const int64_t o = b * B;
-    __m512i lo, hi;  // nibbles: the low and high values; Q8_0: rows 0-1 and rows 2-3
-    if constexpr (kQ8) {
-      auto two = [&](int r) {
-        return _mm512_inserti64x4(
-            _mm512_castsi256_si512(
-                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[r] + o + off))),
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[r + 1] + o + off)), 1);
-      };
-      const __m512i flip = _mm512_set1_epi8(char(0x80));
-      lo = _mm512_xor_si512(two(0), flip);
-      hi = _mm512_xor_si512(two(2), flip);
-    } else {
-      __m512i q = _mm512_castsi128_si512(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[0] + o + off)));
-      for (int r = 1; r < 4; ++r)
-        q = _mm512_inserti32x4(
-            q, _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[r] + o + off)), r);
-      const __m512i low4 = _mm512_set1_epi8(0x0F);
-      lo = _mm512_and_si512(q, low4);
-      hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), low4);
-      if constexpr (T == Q5_0 || T == Q5_1) {
-        uint64_t klo = 0, khi = 0;
-        for (int r = 0; r < 4; ++r) {
-          uint32_t qh;
-          std::memcpy(&qh, rows[r] + o + off - 4, 4);
-          klo |= uint64_t(qh & 0xFFFFu) << (16 * r);
-          khi |= uint64_t(qh >> 16) << (16 * r);
-        }
-        const __m512i sixteen = _mm512_set1_epi8(16);
-        lo = _mm512_mask_add_epi8(lo, __mmask64(klo), lo, sixteen);
-        hi = _mm512_mask_add_epi8(hi, __mmask64(khi), hi, sixteen);
-      }
+    __m512i lo0, hi0, lo1 = zero, hi1 = zero;
+    FourRows<T>(rows, o, lo0, hi0);
+    if (two) FourRows<T>(rows, o + B, lo1, hi1);
+    uint32_t h[8];  // d and the next f16 word (m); built in registers (a vector load of
+    // words just stored stalls on store forwarding)
+    for (int r = 0; r < 4; ++r) {
+      std::memcpy(&h[r], rows[r] + o, 4);
+      h[4 + r] = 0;
+      if (two) std::memcpy(&h[4 + r], rows[r] + o + B, 4);
     }
-    uint32_t h[4];  // d and the next f16 word (m for Q4_1 / Q5_1)
-    for (int r = 0; r < 4; ++r) std::memcpy(&h[r], rows[r] + o, 4);
-    const __m512 dm = _mm512_castps256_ps512(
-        _mm256_cvtph_ps(_mm_setr_epi32(int(h[0]), int(h[1]), int(h[2]), int(h[3]))));
-    __m512 dv[kRegs];
-    for (int g = 0; g < kRegs; ++g) dv[g] = _mm512_permutexvar_ps(d_lanes[g], dm);
-    __m512 mv = _mm512_setzero_ps();
-    if constexpr (kHasMin<T>) mv = _mm512_maskz_permutexvar_ps(__mmask16(0x1111), m_lanes, dm);
+    const __m512 dm = _mm512_cvtph_ps(_mm256_setr_epi32(int(h[0]), int(h[1]), int(h[2]),
+                                                        int(h[3]), int(h[4]), int(h[5]),
+                                                        int(h[6]), int(h[7])));
+    const __m512 dv = _mm512_permutexvar_ps(d_idx, dm);
+    const __m512 mv = kHasMin<T> ? _mm512_permutexvar_ps(m_idx, dm) : _mm512_setzero_ps();
     for (int m = 0; m < MM; ++m) {
       const int64_t xi = (m0 + m) * nb + b;
       const int8_t* xb = X.q.data() + xi * 32;
-      __m512i isum[kRegs];
-      if constexpr (kQ8) {
-        const __m512i xv =
-            _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb)));
-        const __m512i os = _mm512_slli_epi32(
-            _mm512_broadcast_i64x4(
-                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(X.sl8.data() + xi * 8))),
-            kOffsetShift<T>);
-        isum[0] = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xv), os);
-        isum[1] = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), hi, xv), os);
-      } else {
-        const __m512i xlo =
-            _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xb)));
-        const __m512i xhi =
-            _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xb + 16)));
-        isum[0] =
-            _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xlo), hi, xhi);
-        if constexpr (kOffsetShift<T> != 0) {
-          const __m512i sl = _mm512_broadcast_i32x4(
-              _mm_loadu_si128(reinterpret_cast<const __m128i*>(X.sl4.data() + xi * 4)));
-          isum[0] = _mm512_sub_epi32(isum[0], _mm512_slli_epi32(sl, kOffsetShift<T>));
-        }
-      }
-      const __m512 dx = _mm512_set1_ps(X.d[xi]);
-      for (int g = 0; g < kRegs; ++g)
-        acc[m][g] =
-            _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[g]), _mm512_mul_ps(dv[g], dx), acc[m][g]);
-      if constexpr (kHasMin<T>)
-        acc[m][0] = _mm512_fmadd_ps(mv, _mm512_set1_ps(X.ds[xi]), acc[m][0]);
+      auto bcast = [](const int8_t* v) {
+        return _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v)));
+      };
+      auto init = [&](int64_t i) {  // -o s in the first lane of each row
+        return kOffsetShift<T> != 0 ? _mm512_maskz_set1_epi32(0x1111, -(X.s[i] << kOffsetShift<T>))
+                                    : zero;
+      };
+      const __m512i i0 =
+          _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(init(xi), lo0, bcast(xb)), hi0, bcast(xb + 16));
+      __m512i i1 = zero;
+      if (two)
+        i1 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(init(xi + 1), lo1, bcast(xb + 32)), hi1,
+                                 bcast(xb + 48));
+      // lanes 4r, 4r + 1: block b's total; 4r + 2, 4r + 3: block b + 1's
+      __m512i t = _mm512_add_epi32(_mm512_unpacklo_epi64(i0, i1), _mm512_unpackhi_epi64(i0, i1));
+      t = _mm512_add_epi32(t, _mm512_shuffle_epi32(t, _MM_PERM_CDAB));
+      // [dx_b dx_b dx_b+1 dx_b+1] in every 128-bit lane (0 past the last block); ds likewise
+      auto pair = [two](const float* v) {
+        uint32_t lo, hi = 0;
+        std::memcpy(&lo, v, 4);
+        if (two) std::memcpy(&hi, v + 1, 4);
+        const int64_t bits = int64_t(uint64_t(lo) | (uint64_t(hi) << 32));
+        return _mm512_permute_ps(_mm512_castsi512_ps(_mm512_set1_epi64(bits)), 0x50);
+      };
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(dv, pair(&X.d[xi])), acc[m]);
+      if constexpr (kHasMin<T>) acc[m] = _mm512_fmadd_ps(mv, pair(&X.ds[xi]), acc[m]);
     }
   }
   for (int m = 0; m < MM; ++m) {
-    alignas(64) float l[16 * kRegs];
-    for (int g = 0; g < kRegs; ++g) _mm512_store_ps(l + 16 * g, acc[m][g]);
+    alignas(64) float l[16];
+    _mm512_store_ps(l, acc[m]);
     float* y = p.y + (m0 + m) * p.N + n;
-    for (int r = 0; r < rr; ++r) {
-      if constexpr (kQ8) {
-        const float* v = l + 8 * r;
-        y[r] = ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]));
-      } else {
-        const float* v = l + 4 * r;
-        y[r] = (v[0] + v[2]) + (v[1] + v[3]);
+    for (int r = 0; r < rr; ++r) y[r] = l[4 * r] + l[4 * r + 2];
+  }
+}
+
+template <int MM>
+void Q8Group(const Problem& p, const uint8_t* const* rows, int64_t m0, int rr, int64_t n) {
+  const QuantX& X = *p.xq;
+  const int64_t nb = p.K / 32;
+  constexpr int64_t B = kBlockBytes<Q8_0>, off = kValues<Q8_0>;
+  // lane -> its row's d in the converted [d0 d1 d2 d3]
+  const __m512i d_lanes[2] = {
+      _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
+      _mm512_setr_epi32(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3)};
+  const __m512i flip = _mm512_set1_epi8(char(0x80));
+  __m512 acc[MM][2];
+  for (int m = 0; m < MM; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t o = b * B;
+    const __mmask16 half = (b & 1) ? 0xF0F0 : 0x0F0F;  // acc_0 in lanes 0-3 of a row, acc_1 4-7
+    auto two = [&](int r) {
+      return _mm512_xor_si512(
+          _mm512_inserti64x4(
+              _mm512_castsi256_si512(
+                  _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[r] + o + off))),
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[r + 1] + o + off)), 1),
+          flip);
+    };
+    const __m512i w[2] = {two(0), two(2)};
+    uint16_t h[4];
+    for (int r = 0; r < 4; ++r) std::memcpy(&h[r], rows[r] + o, 2);
+    const __m512 dq = _mm512_castps256_ps512(
+        _mm256_cvtph_ps(_mm_setr_epi16(short(h[0]), short(h[1]), short(h[2]), short(h[3]), 0, 0,
+                                       0, 0)));
+    const __m512 dv[2] = {_mm512_permutexvar_ps(d_lanes[0], dq),
+                          _mm512_permutexvar_ps(d_lanes[1], dq)};
+    for (int m = 0; m < MM; ++m) {
+      const int64_t xi = (m0 + m) * nb + b;
+      const __m512i xv = _mm512_broadcast_i64x4(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(X.q.data() + xi * 32)));
+      const __m512i init = _mm512_maskz_set1_epi32(0x0101, -(X.s[xi] << kOffsetShift<Q8_0>));
+      const __m512 dx = _mm512_set1_ps(X.d[xi]);
+      for (int g = 0; g < 2; ++g) {
+        // every lane of a row (a 256-bit half): the sum of its 8 lanes
+        __m512i t = _mm512_dpbusd_epi32(init, w[g], xv);
+        t = _mm512_add_epi32(t, _mm512_shuffle_epi32(t, _MM_PERM_BADC));
+        t = _mm512_add_epi32(t, _mm512_shuffle_epi32(t, _MM_PERM_CDAB));
+        t = _mm512_add_epi32(t, _mm512_shuffle_i32x4(t, t, 0xB1));
+        acc[m][g] = _mm512_mask3_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(dv[g], dx),
+                                          acc[m][g], half);
       }
     }
   }
+  for (int m = 0; m < MM; ++m) {
+    alignas(64) float l[32];
+    _mm512_store_ps(l, acc[m][0]);
+    _mm512_store_ps(l + 16, acc[m][1]);
+    float* y = p.y + (m0 + m) * p.N + n;
+    for (int r = 0; r < rr; ++r) y[r] = l[8 * r] + l[8 * r + 4];
+  }
+}
+
+template <int64_t T, int MM>
+void VnniGroup(const Problem& p, const uint8_t* const* rows, int64_t m0, int rr, int64_t n) {
+  if constexpr (T == Q8_0)
+    Q8Group<MM>(p, rows, m0, rr, n);
+  else
+    NibbleGroup<T, MM>(p, rows, m0, rr, n);
 }
 
 typedef void (*GroupFn)(const Problem&, const uint8_t* const*, int64_t, int, int64_t);
@@ -330,11 +324,13 @@ constexpr std::array<GroupFn, MT + 1> GroupRow(std::integer_sequence<int, Ms...>
 }
 #endif
 
-// Output rows [n0, n1) (the prefetches run up to pf_end): VNNI groups of R rows of W, for up to
-// MT rows of x at a time, where the path has them, else row by row in scalar code.
+// Output rows [n0, n1) (the prefetches run up to pf_end): panels from kPanelMinRows rows of x,
+// else VNNI groups of R rows of W for up to MT rows of x at a time, where the path has them;
+// else row by row in scalar code.
 template <int64_t T>
 void RunItem(const Problem& p, int64_t n0, int64_t n1, int64_t pf_end, std::vector<float>& scales) {
 #if defined(PAGEDJAX_GGUF_VNNI)
+  if (p.M >= kPanelMinRows) return PanelItem<T>(p, n0, n1);
   static constexpr std::array<GroupFn, MT + 1> kGroups =
       GroupRow<T>(std::make_integer_sequence<int, MT>{});
   for (int64_t n = n0; n < n1; n += R) {
