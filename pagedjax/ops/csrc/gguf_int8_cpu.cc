@@ -330,7 +330,7 @@ constexpr std::array<GroupFn, MT + 1> GroupRow(std::integer_sequence<int, Ms...>
 template <int64_t T>
 void RunItem(const Problem& p, int64_t n0, int64_t n1, int64_t pf_end, std::vector<float>& scales) {
 #if defined(PAGEDJAX_GGUF_VNNI)
-  if (p.M >= kPanelMinRows) return PanelItem<T>(p, n0, n1);
+  if (p.M >= kPanelMinRows) return PanelItem<T>(p, n0, n1, pf_end);
   static constexpr std::array<GroupFn, MT + 1> kGroups =
       GroupRow<T>(std::make_integer_sequence<int, MT>{});
   for (int64_t n = n0; n < n1; n += R) {
