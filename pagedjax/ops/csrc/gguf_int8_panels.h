@@ -204,20 +204,24 @@ void PanelItem(const Problem& p, int64_t n0, int64_t n1, int64_t pf_end) {
   constexpr int MM = 4;
   const int64_t nb = p.K / 32;
   const int64_t panels = (n1 - n0 + kPanel - 1) / kPanel;
-  thread_local std::vector<__m512i> packed;
-  packed.resize(panels * nb * kPanelBlockVecs);
+  struct alignas(64) Vec {  // (a vector of __m512i drops the type's attributes)
+    uint8_t bytes[64];
+  };
+  thread_local std::vector<Vec> storage;  // 64-byte aligned (C++17 aligned new)
+  storage.resize(panels * nb * kPanelBlockVecs);
+  __m512i* const packed = reinterpret_cast<__m512i*>(storage.data());
   for (int64_t i = 0; i < panels; ++i) {
     const int64_t n = n0 + i * kPanel;
     RepackPanel<T>(p, n, int(std::min<int64_t>(kPanel, n1 - n)),
                    std::clamp<int64_t>(pf_end - n - kPanel, 0, kPanel),
-                   packed.data() + i * nb * kPanelBlockVecs);
+                   packed + i * nb * kPanelBlockVecs);
   }
   for (int64_t mc = 0; mc < p.M; mc += kChunkRows) {
     const int64_t me = std::min(p.M, mc + kChunkRows);
     for (int64_t i = 0; i < panels; ++i) {
       const int64_t n = n0 + i * kPanel;
       const int rr = int(std::min<int64_t>(kPanel, n1 - n));
-      const __m512i* panel = packed.data() + i * nb * kPanelBlockVecs;
+      const __m512i* panel = packed + i * nb * kPanelBlockVecs;
       int64_t m0 = mc;
       for (; m0 + MM <= me; m0 += MM) PanelTile<T, MM>(p, panel, m0, rr, n);
       for (; m0 < me; ++m0) PanelTile<T, 1>(p, panel, m0, rr, n);
