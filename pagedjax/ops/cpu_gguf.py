@@ -40,7 +40,8 @@ TARGET_DEQUANTIZE = "pagedjax_gguf_dequantize_cpu"
 INT8_FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
 ACTIVATIONS = ("float32", "int8")
 # Steps of more tokens than this dequantize the layer and use XLA's dot instead (there the
-# dequantization is small next to the dot, which XLA blocks for large M).
+# dequantization is small next to the dot, which XLA blocks for large M), except where
+# `int8_every_size`: the int8 kernel's panels are faster than that dot at every size.
 MAX_TOKENS = 128
 
 
