@@ -112,7 +112,7 @@ void QuantizeRows(const float* x, int64_t M, int64_t K, QuantX& out) {
 }
 
 template <int64_t T>
-constexpr int32_t kOffset = T == Q4_0 ? 8 : T == Q5_0 ? 16 : T == Q8_0 ? 128 : 0;
+constexpr int32_t kOffset = kOffsetShift<T> != 0 ? 1 << kOffsetShift<T> : 0;  // o
 
 // Block b's 32 unsigned integers u (values in order) -> u[0:32].
 template <int64_t T>
