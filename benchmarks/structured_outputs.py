@@ -1,6 +1,7 @@
 """Structured outputs: what a JSON-schema constraint costs, and what a slow grammar costs others.
 
-    python -m benchmarks.structured_outputs [--num-requests 64] [--reps 1]
+    python -m benchmarks.structured_outputs [--num-requests 64] [--reps 1] [--slow-reps 1]
+        [--slow-only]
         [--out benchmarks/results/structured_outputs.json]
 
 One engine on the default model (SmolLM2-135M-Instruct) runs the standard workload
@@ -31,6 +32,10 @@ between consecutive tokens of the streams while the grammar compiles are compare
 median step time before it: the goal is that no gap exceeds one step time more than usual
 (the grammar compiles on the worker pool; the steps go on). The same with the compile done
 synchronously on the engine thread (as it would be without the pool) gives the contrast.
+`--slow-reps N` runs the check N times with the native kernels leaving the compile a core
+(the engine's default) and N times without (alternating), and summarises both: the largest
+gap over the median step, how long the request waited for its grammar, and the time the
+streams lost in all (in steps). `--slow-only` runs just that.
 """
 
 from __future__ import annotations
@@ -59,6 +64,9 @@ SCHEMA = {
         "additionalProperties": False,
     },
 }
+
+
+_schemas_made = 0
 
 
 def big_schema(n: int) -> dict:
@@ -127,14 +135,27 @@ def run_variant(llm, reqs: list[dict], every: int) -> dict:
     }
 
 
-def slow_grammar(llm, reqs: list[dict], synchronous: bool) -> dict:
+def slow_grammar(llm, reqs: list[dict], synchronous: bool, leave_cores: bool = True) -> dict:
     """8 unconstrained streams; a large-schema request added after 10 steps. Gaps between the
-    streams' steps while its grammar compiles, against the median step before."""
-    from pagedjax import SamplingParams
-    from pagedjax.sampling_params import StructuredOutputsParams
+    streams' steps while its grammar compiles, against the median step before. `leave_cores`
+    False: the native kernels keep every thread while the grammar compiles (the engine's
+    `on_compiling` hook unset for this run)."""
 
     eng = llm.llm_engine
     mgr = eng.structured_output
+    hook = mgr.on_compiling
+    if not leave_cores:
+        mgr.on_compiling = None
+    try:
+        return _slow_grammar(eng, mgr, reqs, synchronous) | {"leave_cores": leave_cores}
+    finally:
+        mgr.on_compiling = hook
+
+
+def _slow_grammar(eng, mgr, reqs: list[dict], synchronous: bool) -> dict:
+    from pagedjax import SamplingParams
+    from pagedjax.sampling_params import StructuredOutputsParams
+
     for i, r in enumerate(reqs[:8]):
         eng.add_request(
             f"s{i}",
@@ -143,7 +164,9 @@ def slow_grammar(llm, reqs: list[dict], synchronous: bool) -> dict:
         )
     stamps: list[float] = []  # when each step that gave the streams a token returned
     added_at = ready_at = None
-    schema = big_schema(400 + synchronous)  # a new schema each time: no cache hit
+    global _schemas_made
+    _schemas_made += 1
+    schema = big_schema(400 + _schemas_made)  # a new schema each time: no cache hit
     so = StructuredOutputsParams(json=schema)
     compiles0 = mgr.stats["compile_s"]
     while eng.has_unfinished_requests():
@@ -219,8 +242,17 @@ def main(argv=None) -> None:
     ap.add_argument("--num-requests", type=int, default=64, help="the first N requests")
     ap.add_argument("--reps", type=int, default=1)
     ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument(
+        "--slow-reps",
+        type=int,
+        default=1,
+        help="pairs of slow-grammar runs, with and without leaving a core to the compile",
+    )
+    ap.add_argument("--slow-only", action="store_true", help="only the slow-grammar check")
     ap.add_argument("--out", default="benchmarks/results/structured_outputs.json")
     ns = ap.parse_args(argv)
+    if ns.slow_only:
+        ns.reps = 0
 
     from pagedjax import LLM
 
@@ -229,7 +261,7 @@ def main(argv=None) -> None:
     # Warm the llguidance tokenizer, the schema's grammar and every step shape of the three
     # variants (with and without a bitmask) outside the timed runs.
     warm = run_variant(llm, reqs[:1], every=1)
-    for every in (0, 1, 8):
+    for every in (0, 1, 8) if ns.reps else ():
         run_variant(llm, reqs, every)
     runs: dict[str, list[dict]] = {"none": [], "all": [], "one_in_8": []}
     for _ in range(ns.reps):
@@ -238,14 +270,42 @@ def main(argv=None) -> None:
             print(
                 name, json.dumps({k: v for k, v in runs[name][-1].items() if k != "sample_output"})
             )
-    slow = [slow_grammar(llm, reqs, synchronous) for synchronous in (False, True)]
-    masking = mask_apply()
-    print("mask apply", json.dumps(masking))
+    slow = []
+    for rep in range(ns.slow_reps):  # alternating which setting goes first
+        for leave in (True, False) if rep % 2 == 0 else (False, True):
+            slow.append(slow_grammar(llm, reqs, False, leave_cores=leave))
+    slow.append(slow_grammar(llm, reqs, True))
     for s in slow:
         print(
             "slow grammar",
             json.dumps({k: v for k, v in s.items() if k != "gaps_while_compiling_s"}),
         )
+    slow_summary = {}
+    for leave in (True, False):
+        runs_ = [s for s in slow if s["leave_cores"] == leave and not s["synchronous_compile"]]
+        ratios = [s["max_gap_over_median_step"] for s in runs_]
+        # the time the streams lost while it compiled, in steps: sum over gaps of (gap - step)
+        extra = [
+            sum(g - s["median_step_before_s"] for g in s["gaps_while_compiling_s"])
+            / s["median_step_before_s"]
+            for s in runs_
+        ]
+        slow_summary["leave_cores" if leave else "all_cores"] = {
+            "runs": len(ratios),
+            "median_max_gap_over_median_step": statistics.median(ratios),
+            "worst": max(ratios),
+            "runs_over_2": sum(r > 2.0 for r in ratios),
+            "median_grammar_wait_s": statistics.median(s["grammar_wait_s"] for s in runs_),
+            "median_extra_steps": statistics.median(extra),
+        }
+    print("slow grammar summary", json.dumps(slow_summary))
+    if ns.slow_only:
+        result = {"slow_grammar": slow, "slow_grammar_summary": slow_summary, "env": environment()}
+        Path(ns.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(ns.out).write_text(json.dumps(result, indent=1))
+        return
+    masking = mask_apply()
+    print("mask apply", json.dumps(masking))
 
     def med(name, key):
         return statistics.median(r[key] for r in runs[name])
@@ -286,6 +346,7 @@ def main(argv=None) -> None:
         "summary": summary,
         "runs": runs,
         "slow_grammar": slow,
+        "slow_grammar_summary": slow_summary,
         "mask_apply": masking,
         "env": environment(),
     }

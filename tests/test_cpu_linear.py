@@ -261,6 +261,46 @@ def test_model_with_prepacked_weights(tiny_llama_dir, tmp_path):
     assert not any(isinstance(int8["layers"][n], cpu_linear.PackedWeight) for n in LINEAR_WEIGHTS)
 
 
+@pytest.fixture
+def thread_cap():
+    """Sets the kernels' thread cap for one test; lifted afterwards whatever happens."""
+    yield cpu_kernels.set_thread_limit
+    cpu_kernels.set_thread_limit(0)
+
+
+def test_thread_limit_reaches_the_libraries_and_keeps_the_bits(thread_cap, tiny_llama_dir):
+    """`set_thread_limit` reaches every loaded ISA path's library, and capping the kernels at
+    one thread changes no bit: the matmul of every path at decode and prefill sizes (its work
+    items are planned for the thread count) and a whole model step (attention splits a few
+    sequences' items by KV head when there are fewer than two per thread) give what the
+    uncapped pool gives."""
+    rng = np.random.default_rng(3)
+    w = cpu_linear.pack(jnp.asarray(rng.standard_normal((1, 576, 1536)).astype(np.float32)))
+    xs = [rng.standard_normal((m, 576)).astype(np.float32) for m in (1, 8, 300)]
+    isas = cpu_kernels.runnable_isas()
+    fs = [jax.jit(functools.partial(cpu_linear.matmul, isa=isa)) for isa in isas]
+    assert all(cpu_kernels.available(isa) for isa in isas)
+    thread_cap(0)
+    assert cpu_kernels.library_thread_limits() == dict.fromkeys(isas, 0)
+    whole = [[np.asarray(f(x, w, 0)) for x in xs] for f in fs]
+    thread_cap(1)
+    assert cpu_kernels.thread_limit() == 1
+    assert cpu_kernels.library_thread_limits() == dict.fromkeys(isas, 1)
+    for f, wants in zip(fs, whole, strict=True):
+        for x, want in zip(xs, wants, strict=True):
+            np.testing.assert_array_equal(np.asarray(f(x, w, 0)), want)
+    source = loader.resolve_model_source(str(tiny_llama_dir))
+    cfg = loader.load_arch_config(source)
+    packed = cpu_linear.pack_params(loader.load_params(source, cfg, "float32"))
+    for T in (1, 8, 40):
+        thread_cap(0)
+        want = _step(packed, cfg, "cpu", T, lower=False)
+        thread_cap(1)
+        np.testing.assert_array_equal(_step(packed, cfg, "cpu", T, lower=False), want)
+    thread_cap(0)
+    assert cpu_kernels.library_thread_limits() == dict.fromkeys(isas, 0)
+
+
 def test_linear_gives_the_same_layer_for_every_weight_kind():
     """`linear.linear` on the same [in, out] weights as a plain array, int8 (within its
     rounding bound), a packed stack's layer (`LayerView`: native; with max_rows, native

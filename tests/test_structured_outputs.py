@@ -9,6 +9,7 @@ other requests finish untouched; a grammar that fails late ends only its request
 from __future__ import annotations
 
 import json
+import os
 import re
 import threading
 
@@ -391,6 +392,60 @@ def test_slow_grammar_waits_alone(llm, monkeypatch):
     assert _metric(metrics, "pagedjax:grammar_compile_seconds_count") == 1
     # one fill per token of "slow-ddd" (8 byte tokens); it ends with the grammar, no EOS step
     assert _metric(metrics, "pagedjax:grammar_bitmask_seconds_count") == 8
+
+
+def test_kernels_leave_a_core_to_a_compiling_grammar(llm, monkeypatch):
+    """While a grammar compiles (held here), the native kernels' steps run on one core fewer
+    (at least one) and a running request's logprobs keep every bit; when the compile ends, the
+    cap is lifted."""
+    from pagedjax.ops import cpu_kernels
+
+    eng = llm.llm_engine
+    mc = eng.config.model_config
+    assert "cpu" in (mc.attention_backend, mc.linear_backend)
+    cores = len(os.sched_getaffinity(0))
+    started, release = threading.Event(), threading.Event()
+    real = manager_mod.llg.LLMatcher
+
+    class Held:  # LLMatcher, whose construction (the compile) waits for `release`
+        def __call__(self, *args, **kw):
+            started.set()
+            assert release.wait(30)
+            return real(*args, **kw)
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+    monkeypatch.setattr(manager_mod.llg, "LLMatcher", Held())
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=5)
+
+    def logprobs(out) -> list:
+        return [{t: lp.logprob for t, lp in pos.items()} for pos in out.outputs[0].logprobs]
+
+    assert cpu_kernels.thread_limit() == 0
+    done = {}
+    eng.add_request("alone", {"prompt_token_ids": [30, 31, 32]}, params)
+    while eng.has_unfinished_requests():
+        done.update({o.request_id: o for o in eng.step() if o.finished})
+    eng.add_request("beside", {"prompt_token_ids": [30, 31, 32]}, params)
+    so = SO(regex="held-[0-9]{2}")
+    eng.add_request(
+        "held", {"prompt_token_ids": [33, 34]}, SamplingParams(max_tokens=20, structured_outputs=so)
+    )
+    assert started.wait(30)
+    limits = []
+    for _ in range(5):
+        done.update({o.request_id: o for o in eng.step() if o.finished})
+        limits.append(cpu_kernels.thread_limit())
+    assert limits == [max(cores - 1, 1)] * 5
+    release.set()
+    while eng.has_unfinished_requests():
+        done.update({o.request_id: o for o in eng.step() if o.finished})
+    assert cpu_kernels.thread_limit() == 0
+    assert cpu_kernels.library_thread_limits()[cpu_kernels.default_isa()] == 0
+    assert logprobs(done["beside"]) == logprobs(done["alone"])
+    assert re.fullmatch("held-[0-9]{2}", done["held"].outputs[0].text)
+    _assert_pool_whole(llm)
 
 
 def _metric(metrics, name: str) -> float:

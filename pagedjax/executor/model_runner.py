@@ -42,6 +42,7 @@ from pagedjax.executor.input_batch import BatchBuilder, SeqInput
 from pagedjax.executor.model_loading import stage_layout
 from pagedjax.executor.request_state import RequestState, bias_row
 from pagedjax.executor.step_executables import StepExecutables, abstract
+from pagedjax.ops import cpu_kernels
 from pagedjax.ops.kv_cache import (
     KVCache,
     init_kv_cache,
@@ -235,6 +236,15 @@ class ModelRunner:
     def platform(self) -> str:
         """The devices' platform ("cpu", "gpu", ...)."""
         return self.plan.mesh.devices.flat[0].platform
+
+    def leave_cores(self, n: int) -> None:
+        """Leaves `n` of the process's cores to its other work (grammars compiling for
+        structured outputs) while steps run: the native CPU kernels, where the model uses
+        them, spread each call over that many fewer threads (`cpu_kernels.leave_cores`) until
+        n is 0 again. Elsewhere a no-op. Results do not change, only step times."""
+        mc = self.config.model_config
+        if self.platform == "cpu" and "cpu" in (mc.attention_backend, mc.linear_backend):
+            cpu_kernels.leave_cores(n)
 
     def layout(self) -> dict[str, Any]:
         """The mesh shape, its devices, the decoder layers of each pipeline stage, and the

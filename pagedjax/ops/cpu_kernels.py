@@ -30,6 +30,12 @@ headers that ship with jaxlib, into `<cache root>/kernels/` (see `paths.cache_ro
 the sources and their headers, the path's flags, the jaxlib version and the CPU model.
 `available()` is False, with the reason logged once, when there is no compiler or the build
 fails; `attention_backend` and `linear_backend` "auto" then keep "xla".
+
+Threads: each kernel call spreads its work over XLA's intra-op thread pool (the process's
+cores). `set_thread_limit(n)` caps that at n threads for every later call of every loaded
+path (and of paths loaded later), so that other work of the process (a grammar compiling) can
+have a core of its own; the kernels' results do not depend on it (work is split by rows,
+columns and heads, never inside a reduction).
 """
 
 from __future__ import annotations
@@ -110,6 +116,8 @@ _ISA_CPU_FLAGS = {
     "portable": set(),
 }
 _default_isa: str | None = None
+_libraries: dict[str, ctypes.CDLL] = {}  # ISA path -> its loaded library
+_thread_limit = 0  # the last set_thread_limit (0: none)
 
 
 def _cpu_model() -> str:
@@ -267,10 +275,51 @@ def _load(isa: str) -> str | None:
             jax.ffi.register_ffi_target(
                 target_name(name, isa), jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu"
             )
+        lib.PagedjaxSetThreadLimit.argtypes = [ctypes.c_int64]
+        lib.PagedjaxThreadLimit.restype = ctypes.c_int64
+        lib.PagedjaxSetThreadLimit(_thread_limit)
+        _libraries[isa] = lib
     except (RuntimeError, OSError, AttributeError) as e:
         logger.warning("native CPU kernels (%s) unavailable, using the XLA path: %s", isa, e)
         return str(e)
     return None
+
+
+def set_thread_limit(limit: int) -> None:
+    """Caps the threads of every later native kernel call at `limit` (<= 0: no cap, the
+    intra-op pool's size). Applies to every loaded ISA path and to paths loaded later; safe
+    to call from any thread while kernels run (each call reads the cap once, when it starts).
+    """
+    global _thread_limit
+    _thread_limit = max(int(limit), 0)
+    for lib in list(_libraries.values()):
+        lib.PagedjaxSetThreadLimit(_thread_limit)
+
+
+def leave_cores(n: int) -> None:
+    """Leaves `n` of the process's cores to other work: caps the kernels' threads at the
+    process's CPUs (its affinity) minus n, at least 1; n <= 0 lifts the cap. Beside two
+    threads of XLA and the kernels on 2 cores, any other busy thread of the process (even at
+    the lowest priority) made some steps take about twice their time; with one core left to
+    it, a step takes what one thread takes."""
+    if n <= 0:
+        set_thread_limit(0)
+        return
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    set_thread_limit(max(cores - n, 1))
+
+
+def thread_limit() -> int:
+    """The cap of the last `set_thread_limit` (0: none)."""
+    return _thread_limit
+
+
+def library_thread_limits() -> dict[str, int]:
+    """The cap each loaded ISA path's library holds (what its kernels read), by path."""
+    return {isa: int(lib.PagedjaxThreadLimit()) for isa, lib in list(_libraries.items())}
 
 
 def target_name(name: str, isa: str) -> str:

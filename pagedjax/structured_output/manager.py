@@ -14,7 +14,10 @@ from the steps' threads. (Not SCHED_IDLE: a compile thread of that class, starve
 holds the GIL, stalled the engine thread; on 2 cores busy with 8 streams their slowest step
 while a 400-object schema compiled was 3.9-5.5x the median step, against 1.8-2.3x at nice
 + 10 or + 19. What remains is in the steps' device phase, their host phases unchanged: the
-compile shares the two cores and the memory bus with XLA's threads, not the GIL.)
+compile shares the two cores and the memory bus with XLA's threads, not the GIL.) So while a
+grammar compiles, the manager reports how many do (`on_compiling`), and the engine has the
+native CPU kernels leave that many cores to them (`ModelRunner.leave_cores`): a step then
+takes what it takes on the remaining cores instead of being stretched by the compile.
 
 Bitmask: each step, `fill_bitmask` gives the scheduled rows a [rows, ceil(V / 32)] int32 mask
 (bit j of word w allows token 32 w + j; llguidance's layout); unconstrained rows and rows that
@@ -33,6 +36,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 
 import llguidance as llg
 import llguidance.numpy as llg_np
@@ -75,10 +79,18 @@ class StructuredOutputManager:
         vocab_size: the model's vocabulary (logits width; may exceed the tokenizer's).
         eos_token_id: the token that ends a sequence (allowed where the grammar may end).
         max_workers: compile threads (default: half the CPUs, 1 to 4).
+        on_compiling: called with the number of grammars compiling whenever it changes (on
+            the compile threads); the engine uses it to leave them cores (`cpu_kernels.
+            leave_cores`). Must not raise.
     """
 
     def __init__(
-        self, tokenizer, vocab_size: int, eos_token_id: int | None, max_workers: int | None = None
+        self,
+        tokenizer,
+        vocab_size: int,
+        eos_token_id: int | None,
+        max_workers: int | None = None,
+        on_compiling: Callable[[int], None] | None = None,
     ):
         self.hf_tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -96,6 +108,8 @@ class StructuredOutputManager:
         self._executor: llg.LLExecutor | None = None
         self._cache: collections.OrderedDict = collections.OrderedDict()
         self._lock = threading.Lock()
+        self.on_compiling = on_compiling
+        self._compiling = 0  # grammars compiling now
         self._compile_s: collections.deque = collections.deque(maxlen=TIMINGS_KEPT)
         self._fill_s: collections.deque = collections.deque(maxlen=TIMINGS_KEPT)
         # totals since start: grammars compiled, their seconds, bitmask fills, their seconds
@@ -115,11 +129,21 @@ class StructuredOutputManager:
         )
         return tok
 
+    def _count_compiling(self, delta: int) -> None:
+        with self._lock:
+            self._compiling += delta
+            if self.on_compiling is not None:
+                self.on_compiling(self._compiling)
+
     def _compile(self, text: str) -> llg.LLMatcher:
         tokenizer = self._tokenizer.result()
-        t0 = time.perf_counter()
-        matcher = llg.LLMatcher(tokenizer, text, log_level=0)
-        dt = time.perf_counter() - t0
+        self._count_compiling(1)
+        try:
+            t0 = time.perf_counter()
+            matcher = llg.LLMatcher(tokenizer, text, log_level=0)
+            dt = time.perf_counter() - t0
+        finally:
+            self._count_compiling(-1)
         with self._lock:
             self._compile_s.append(dt)
             self.stats["compiles"] += 1

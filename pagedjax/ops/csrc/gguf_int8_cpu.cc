@@ -415,7 +415,7 @@ ffi::Error GgufLinearInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
     });
   }
   p.xq = &xq;
-  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
+  const int64_t threads = pagedjax::Threads(pool);
   p.item_rows = 16 * std::clamp<int64_t>(p.N / (16 * 8 * threads), 1, 4);
   const int64_t items = (p.N + p.item_rows - 1) / p.item_rows;
   // One contiguous range of rows per thread, as the float32 kernel (gguf_linear_cpu.cc).

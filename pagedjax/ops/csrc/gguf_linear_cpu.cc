@@ -401,7 +401,7 @@ ffi::Error GgufLinear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   p.y = y->typed_data();
   std::fill(p.y + p.M * p.N, p.y + total_rows * p.N, 0.0f);  // padding rows
   if (p.M == 0 || p.N == 0) return ffi::Error::Success();
-  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
+  const int64_t threads = pagedjax::Threads(pool);
   // About eight items per thread (load balance), 1 to 4 units each (a unit: 16 rows for the
   // fused tiles, 4 buffers of RB rows otherwise).
   const int64_t unit = p.M <= MT && p.fused != nullptr ? 4 * R : 4 * RB;

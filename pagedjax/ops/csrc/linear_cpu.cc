@@ -233,7 +233,7 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
     return ffi::Error::Success();
   }
   PackAll(pool, p);
-  const int64_t items = PlanItems(p, std::max<int64_t>(pool.num_threads(), 1));
+  const int64_t items = PlanItems(p, pagedjax::Threads(pool));
   // Decode-sized items are column ranges of W in memory order: one contiguous run of them per
   // thread (`ParallelRanges`; a float32 decode step of one sequence, in one process in
   // alternating blocks of 20 steps against interleaved items: 1.25 ms faster of 31, median of
@@ -284,7 +284,7 @@ ffi::Error GroupedLinear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
     }
     t0 = t1;
   }
-  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
+  const int64_t threads = pagedjax::Threads(pool);
   std::vector<int64_t> first_item(groups.size() + 1, 0);
   for (size_t g = 0; g < groups.size(); ++g) {
     PackAll(pool, groups[g]);
@@ -301,6 +301,17 @@ ffi::Error GroupedLinear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
 
 // The ISA path this library was built for ("avx512", "avx2" or "portable"; see simd.h).
 extern "C" const char* PagedjaxKernelIsa() { return kIsaName; }
+
+// Caps the threads of every later kernel call of this library (parallel.h's ThreadLimit);
+// limit <= 0 lifts the cap.
+extern "C" void PagedjaxSetThreadLimit(int64_t limit) {
+  pagedjax::ThreadLimit().store(std::max<int64_t>(limit, 0), std::memory_order_relaxed);
+}
+
+// The cap in force (0: none).
+extern "C" int64_t PagedjaxThreadLimit() {
+  return pagedjax::ThreadLimit().load(std::memory_order_relaxed);
+}
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LinearCpu, Linear,
                               ffi::Ffi::Bind()

@@ -369,7 +369,7 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
   // step of one sequence, the default model (context growing from 138 to 1,400 tokens), in one
   // process in alternating blocks of 20 steps: 1.6 ms faster per step than one item per
   // sequence (median of 30 rounds, faster in 26).
-  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
+  const int64_t threads = pagedjax::Threads(pool);
   if (p.K > 1 && int64_t(items.size()) < 2 * threads) {
     std::vector<Item> split;
     for (const Item& it : items)

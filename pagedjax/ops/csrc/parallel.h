@@ -22,6 +22,13 @@
 // in turn (a harness): 16-row items 127-147 us, 64-row items 90-106 us, two halves 79-92 us;
 // in the engine, see gguf_linear_cpu.cc and linear_cpu.cc. Each index runs once; the ranges
 // (thread t: [t n / T, (t + 1) n / T)) are claimed through one atomic word each.
+//
+// Threads(pool) is how many threads a kernel call spreads its work over: the pool's, capped
+// by the process-wide ThreadLimit() (0: no cap), which Python sets through
+// PagedjaxSetThreadLimit (linear_cpu.cc) to leave cores to other work of the engine's process
+// (a grammar compiling for structured outputs). Every kernel reads it once per call, and its
+// work items split rows, columns or heads only, never a reduction, so a call's bits do not
+// depend on it.
 #pragma once
 
 #include <algorithm>
@@ -40,6 +47,19 @@ namespace pagedjax {
 constexpr int64_t kSpinMicros = 200;
 
 inline void CpuRelax() { sched_yield(); }
+
+// The cap on the threads of each kernel call; 0: the pool's. One per library (inline).
+inline std::atomic<int64_t>& ThreadLimit() {
+  static std::atomic<int64_t> limit{0};
+  return limit;
+}
+
+// The threads a kernel call uses: the pool's, capped by ThreadLimit(), at least 1.
+inline int64_t Threads(xla::ffi::ThreadPool& pool) {
+  const int64_t limit = ThreadLimit().load(std::memory_order_relaxed);
+  const int64_t n = pool.num_threads();
+  return std::max<int64_t>(limit > 0 ? std::min(n, limit) : n, 1);
+}
 
 // Returns once done == n: yields the core for up to kSpinMicros, then sleeps on cv (whoever
 // makes done reach n notifies it under mu).
@@ -75,7 +95,7 @@ void ParallelFor(xla::ffi::ThreadPool& pool, int64_t n, const Fn& fn) {
       }
     }
   };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), n) - 1;
+  const int64_t helpers = std::min<int64_t>(Threads(pool), n) - 1;
   for (int64_t i = 0; i < helpers; ++i) {
     auto task = drain;
     pool.Schedule(std::move(task));
@@ -87,7 +107,7 @@ void ParallelFor(xla::ffi::ThreadPool& pool, int64_t n, const Fn& fn) {
 template <typename Fn>
 void ParallelRanges(xla::ffi::ThreadPool& pool, int64_t n, const Fn& fn) {
   if (n <= 0) return;
-  const int64_t T = std::clamp<int64_t>(pool.num_threads(), 1, std::min<int64_t>(n, 64));
+  const int64_t T = std::min<int64_t>(Threads(pool), std::min<int64_t>(n, 64));
   if (T == 1) {
     for (int64_t i = 0; i < n; ++i) fn(i, n);
     return;

@@ -227,7 +227,7 @@ void RunPanel(const Problem& p, int64_t n, std::vector<float>& buf) {
 ffi::Error Run(ffi::ThreadPool& pool, Problem& p, bool int4, int64_t total_rows) {
   std::fill(p.y + p.M * p.N, p.y + total_rows * p.N, 0.0f);  // padding rows
   if (p.M == 0 || p.N == 0) return ffi::Error::Success();
-  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
+  const int64_t threads = pagedjax::Threads(pool);
   // About four items per thread (load balance), one to four panels each.
   p.item_cols = PW * std::clamp<int64_t>(p.N / (PW * 4 * threads), 1, 4);
   const int64_t items = (p.N + p.item_cols - 1) / p.item_cols;
