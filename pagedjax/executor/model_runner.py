@@ -244,7 +244,7 @@ class ModelRunner:
         n is 0 again. Elsewhere a no-op. Results do not change, only step times."""
         mc = self.config.model_config
         if self.platform == "cpu" and "cpu" in (mc.attention_backend, mc.linear_backend):
-            cpu_kernels.leave_cores(n)
+            cpu_kernels.leave_cores(n, owner=self)
 
     def layout(self) -> dict[str, Any]:
         """The mesh shape, its devices, the decoder layers of each pipeline stage, and the

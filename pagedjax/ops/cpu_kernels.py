@@ -50,6 +50,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 import jax
@@ -118,6 +119,8 @@ _ISA_CPU_FLAGS = {
 _default_isa: str | None = None
 _libraries: dict[str, ctypes.CDLL] = {}  # ISA path -> its loaded library
 _thread_limit = 0  # the last set_thread_limit (0: none)
+_cores_left: dict[int, int] = {}  # leave_cores: id(owner) -> cores it asks to be left
+_cores_lock = threading.Lock()
 
 
 def _cpu_model() -> str:
@@ -296,20 +299,27 @@ def set_thread_limit(limit: int) -> None:
         lib.PagedjaxSetThreadLimit(_thread_limit)
 
 
-def leave_cores(n: int) -> None:
-    """Leaves `n` of the process's cores to other work: caps the kernels' threads at the
-    process's CPUs (its affinity) minus n, at least 1; n <= 0 lifts the cap. Beside two
-    threads of XLA and the kernels on 2 cores, any other busy thread of the process (even at
-    the lowest priority) made some steps take about twice their time; with one core left to
-    it, a step takes what one thread takes."""
-    if n <= 0:
-        set_thread_limit(0)
-        return
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    set_thread_limit(max(cores - n, 1))
+def leave_cores(n: int, owner: object = None) -> None:
+    """Leaves `n` of the process's cores to other work of `owner` (an engine's runner; None:
+    the process): the kernels' threads are capped at the process's CPUs (its affinity) minus
+    the sum of every owner's n, at least 1; when every owner's n is 0 the cap is lifted.
+    Beside two threads of XLA and the kernels on 2 cores, any other busy thread of the process
+    (even at the lowest priority) made some steps take about twice their time; with a core
+    left to it, a step takes what it takes on the cores that remain."""
+    with _cores_lock:
+        if n > 0:
+            _cores_left[id(owner)] = n
+        else:
+            _cores_left.pop(id(owner), None)
+        total = sum(_cores_left.values())
+        if total == 0:
+            set_thread_limit(0)
+            return
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except AttributeError:  # not Linux
+            cores = os.cpu_count() or 1
+        set_thread_limit(max(cores - total, 1))
 
 
 def thread_limit() -> int:
