@@ -303,9 +303,9 @@ def leave_cores(n: int, owner: object = None) -> None:
     """Leaves `n` of the process's cores to other work of `owner` (an engine's runner; None:
     the process): the kernels' threads are capped at the process's CPUs (its affinity) minus
     the sum of every owner's n, at least 1; when every owner's n is 0 the cap is lifted.
-    Beside two threads of XLA and the kernels on 2 cores, any other busy thread of the process
-    (even at the lowest priority) made some steps take about twice their time; with a core
-    left to it, a step takes what it takes on the cores that remain."""
+    (Beside the kernels' threads on every core, another busy thread of the process, even at
+    the lowest priority, gets its time by stretching the kernel calls; with a core left to
+    it, the calls run on the cores that remain.)"""
     with _cores_lock:
         if n > 0:
             _cores_left[id(owner)] = n
