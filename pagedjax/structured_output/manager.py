@@ -82,9 +82,10 @@ class StructuredOutputManager:
         vocab_size: the model's vocabulary (logits width; may exceed the tokenizer's).
         eos_token_id: the token that ends a sequence (allowed where the grammar may end).
         max_workers: compile threads (default: half the CPUs, 1 to 4).
-        on_compiling: called with the number of grammars compiling whenever it changes (on
-            the compile threads); the engine uses it to leave them cores (`cpu_kernels.
-            leave_cores`). Must not raise.
+        on_compiling: called with the number of grammars the pool compiles (those submitted
+            and not done, at most its threads) whenever it changes, from the time a grammar is
+            submitted; the engine uses it to leave them cores (`ModelRunner.leave_cores`).
+            Called under the manager's lock; must be quick and must not raise.
     """
 
     def __init__(
@@ -112,7 +113,8 @@ class StructuredOutputManager:
         self._cache: collections.OrderedDict = collections.OrderedDict()
         self._lock = threading.Lock()
         self.on_compiling = on_compiling
-        self._compiling = 0  # grammars compiling now
+        self._workers = workers
+        self._pending = 0  # grammars submitted to the pool and not done
         self._compile_s: collections.deque = collections.deque(maxlen=TIMINGS_KEPT)
         self._fill_s: collections.deque = collections.deque(maxlen=TIMINGS_KEPT)
         # totals since start: grammars compiled, their seconds, bitmask fills, their seconds
@@ -133,20 +135,21 @@ class StructuredOutputManager:
         return tok
 
     def _count_compiling(self, delta: int) -> None:
+        """Counts grammars submitted and not yet done; tells `on_compiling` how many of them
+        the pool runs (at most its threads). Call under `_lock`."""
+        self._pending += delta
+        if self.on_compiling is not None:
+            self.on_compiling(min(self._pending, self._workers))
+
+    def _compile_done(self, _fut: concurrent.futures.Future) -> None:
         with self._lock:
-            self._compiling += delta
-            if self.on_compiling is not None:
-                self.on_compiling(self._compiling)
+            self._count_compiling(-1)
 
     def _compile(self, text: str) -> llg.LLMatcher:
         tokenizer = self._tokenizer.result()
-        self._count_compiling(1)
-        try:
-            t0 = time.perf_counter()
-            matcher = llg.LLMatcher(tokenizer, text, log_level=0)
-            dt = time.perf_counter() - t0
-        finally:
-            self._count_compiling(-1)
+        t0 = time.perf_counter()
+        matcher = llg.LLMatcher(tokenizer, text, log_level=0)
+        dt = time.perf_counter() - t0
         with self._lock:
             self._compile_s.append(dt)
             self.stats["compiles"] += 1
@@ -166,13 +169,20 @@ class StructuredOutputManager:
         key = (so.kind, text)
         with self._lock:
             fut = self._cache.get(key)
-            if fut is None or (fut.done() and fut.exception() is not None):
+            submitted = fut is None or (fut.done() and fut.exception() is not None)
+            if submitted:
+                # counted from now, so that the step that follows already leaves the compile
+                # its core (counted when the compile started, the step it started in ran on
+                # every core beside it: the slowest of the streams' steps)
+                self._count_compiling(1)
                 fut = self._pool.submit(self._compile, text)
                 self._cache[key] = fut
                 while len(self._cache) > CACHE_SIZE:
                     self._cache.popitem(last=False)
             else:
                 self._cache.move_to_end(key)
+        if submitted:  # outside the lock: a future already done runs its callback here
+            fut.add_done_callback(self._compile_done)
         return StructuredOutputRequest(so.kind, fut)
 
     def wait_any(self, requests: list[StructuredOutputRequest], timeout: float) -> None:
