@@ -1,7 +1,7 @@
 """Structured outputs: what a JSON-schema constraint costs, and what a slow grammar costs others.
 
     python -m benchmarks.structured_outputs [--num-requests 64] [--reps 1] [--slow-reps 1]
-        [--slow-only]
+        [--slow-only] [--served-reps 0]
         [--out benchmarks/results/structured_outputs.json]
 
 One engine on the default model (SmolLM2-135M-Instruct) runs the standard workload
@@ -35,12 +35,17 @@ synchronously on the engine thread (as it would be without the pool) gives the c
 `--slow-reps N` runs the check N times with the native kernels leaving the compile a core
 (the engine's default) and N times without (alternating), and summarises both: the largest
 gap over the median step, how long the request waited for its grammar, and the time the
-streams lost in all (in steps). `--slow-only` runs just that.
+streams lost in all (in steps). `--slow-only` runs just that. It also reports what adding
+such a request costs the engine's thread (`add_request` against `add_processed` of an input
+checked elsewhere). `--served-reps N` then runs the check N times each way through `AsyncLLM`
+(the server's engine): requests checked on its inputs thread, as served, or on the engine
+thread, as before (gaps between the first stream's tokens as its coroutine receives them).
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import statistics
 import time
@@ -198,6 +203,117 @@ def _slow_grammar(eng, mgr, reqs: list[dict], synchronous: bool) -> dict:
     }
 
 
+def add_cost(eng, reps: int = 5) -> dict:
+    """What adding a request with a new `big_schema(400)` costs the thread that drives the
+    engine (median ms over `reps`): `add_request` (checks, schema serialised, grammar text,
+    queued) against `add_processed` of an input already checked elsewhere (as the server's
+    inputs thread does)."""
+    from pagedjax import SamplingParams
+    from pagedjax.sampling_params import StructuredOutputsParams
+
+    global _schemas_made
+    whole, queued, compiling = [], [], []
+    for _ in range(reps):
+        for processed in (False, True):
+            _schemas_made += 1
+            so = StructuredOutputsParams(json=big_schema(400 + _schemas_made))
+            params = SamplingParams(temperature=0.0, max_tokens=4, structured_outputs=so)
+            rid = f"add-{_schemas_made}"
+            if processed:
+                inp = eng.input_processor.process("Fill the form:", params)
+                t0 = time.perf_counter()
+                eng.add_processed(rid, inp)
+                queued.append(time.perf_counter() - t0)
+            else:
+                t0 = time.perf_counter()
+                eng.add_request(rid, "Fill the form:", params)
+                whole.append(time.perf_counter() - t0)
+            compiling.append(eng.scheduler.requests[rid].structured_output.compiled)
+            eng.abort_request(rid)
+    concurrent.futures.wait(compiling)  # so that no compile runs beside what follows
+    return {
+        "add_request_ms": 1e3 * statistics.median(whole),
+        "add_processed_ms": 1e3 * statistics.median(queued),
+    }
+
+
+def slow_grammar_served(llm, reqs: list[dict], reps: int) -> list[dict]:
+    """The slow-grammar check through `AsyncLLM` (the server's engine), `reps` times each way,
+    alternating: requests checked on the inputs thread (as served), or on the engine thread
+    (the server before: `add_processed` patched to run the checks there). Gaps between the
+    first stream's tokens as its coroutine receives them, from the big request's add until
+    its first token, against the median gap before. Takes the engine over from `llm`."""
+    import asyncio
+
+    from pagedjax import SamplingParams
+    from pagedjax.engine.async_llm import AsyncLLM
+    from pagedjax.sampling_params import StructuredOutputsParams
+
+    eng = AsyncLLM(llm.llm_engine)
+    core = llm.llm_engine
+    processed_add = core.add_processed
+
+    def checks_on_engine_thread(on: bool) -> None:
+        if on:  # the inputs thread passes the raw request; the engine thread checks it
+            eng._process_inputs = lambda rs, check: [(rid, (p, sp, check)) for rid, p, sp in rs]
+
+            def add_processed(rid, raw, arrival_time=None, priority=0):
+                inp = core.input_processor.process(*raw)
+                processed_add(rid, inp, arrival_time, priority)
+
+            core.add_processed = add_processed
+        else:
+            eng.__dict__.pop("_process_inputs", None)
+            core.add_processed = processed_add
+
+    async def once(tag: str) -> dict:
+        global _schemas_made
+        stamps: list[float] = []
+
+        async def stream(i: int, r: dict) -> None:
+            params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=60)
+            prompt = {"prompt_token_ids": r["prompt_token_ids"][:32]}
+            async for _ in eng.generate(prompt, params, f"{tag}-{i}"):
+                if i == 0:
+                    stamps.append(time.perf_counter())
+
+        tasks = [asyncio.create_task(stream(i, r)) for i, r in enumerate(reqs[:8])]
+        while len(stamps) < 10:
+            for t in tasks:
+                if t.done():  # a stream failed (or ended) before its 10th token
+                    t.result()
+                    raise RuntimeError("a stream ended before its 10th token")
+            await asyncio.sleep(0.0005)
+        _schemas_made += 1
+        so = StructuredOutputsParams(json=big_schema(400 + _schemas_made))
+        params = SamplingParams(temperature=0.0, max_tokens=4, structured_outputs=so)
+        added_at, first = time.perf_counter(), None
+        async for _ in eng.generate("Fill the form:", params, f"{tag}-big"):
+            first = first or time.perf_counter()
+        await asyncio.gather(*tasks)
+        gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+        step = statistics.median(gaps[:9])
+        during = [b - a for a, b in zip(stamps, stamps[1:], strict=False) if added_at <= b <= first]
+        return {
+            "median_step_before_s": step,
+            "gaps_while_compiling_s": during,
+            "max_gap_over_median_step": max(during) / step,
+            "first_gap_over_median_step": during[0] / step,
+        }
+
+    runs = []
+    try:
+        for rep in range(reps):
+            for on_engine in (False, True) if rep % 2 == 0 else (True, False):
+                checks_on_engine_thread(on_engine)
+                tag = f"served-{rep}-{on_engine}"
+                runs.append(asyncio.run(once(tag)) | {"checks_on_engine_thread": on_engine})
+    finally:
+        checks_on_engine_thread(False)
+        eng.shutdown()
+    return runs
+
+
 def mask_apply(rows=(16, 64, 256), vocab: int = 49152, calls: int = 30) -> list[dict]:
     """Seconds per call of greedy sampling (an argmax over [S, V] float32 logits) alone
     (`base_s`), behind the step's masking with the flag off and an all-ones mask already on
@@ -249,6 +365,13 @@ def main(argv=None) -> None:
         help="pairs of slow-grammar runs, with and without leaving a core to the compile",
     )
     ap.add_argument("--slow-only", action="store_true", help="only the slow-grammar check")
+    ap.add_argument(
+        "--served-reps",
+        type=int,
+        default=0,
+        help="pairs of slow-grammar runs through AsyncLLM (inputs checked off / on the engine "
+        "thread), at the end",
+    )
     ap.add_argument("--out", default="benchmarks/results/structured_outputs.json")
     ns = ap.parse_args(argv)
     if ns.slow_only:
@@ -299,6 +422,19 @@ def main(argv=None) -> None:
             "median_extra_steps": statistics.median(extra),
         }
     print("slow grammar summary", json.dumps(slow_summary))
+    slow_summary["engine_thread_add"] = add_cost(llm.llm_engine)
+    print("engine thread's cost of an add", json.dumps(slow_summary["engine_thread_add"]))
+    if ns.served_reps:
+        served = slow_grammar_served(llm, reqs, ns.served_reps)
+        slow_summary["served"] = {
+            where: {
+                k: statistics.median(r[k] for r in served if r["checks_on_engine_thread"] == on)
+                for k in ("max_gap_over_median_step", "first_gap_over_median_step")
+            }
+            for where, on in (("inputs_thread", False), ("engine_thread", True))
+        }
+        slow_summary["served_runs"] = served
+        print("served slow grammar", json.dumps(slow_summary["served"]))
     if ns.slow_only:
         result = {"slow_grammar": slow, "slow_grammar_summary": slow_summary, "env": environment()}
         Path(ns.out).parent.mkdir(parents=True, exist_ok=True)

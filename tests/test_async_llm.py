@@ -6,6 +6,7 @@ conversions of engine logprobs into OpenAI's objects, on hand-made engine output
 from __future__ import annotations
 
 import asyncio
+import threading
 import types
 
 import httpx
@@ -110,24 +111,59 @@ def test_add_requests_is_all_or_nothing(engine):
     asyncio.run(main())
 
 
+def test_requests_are_checked_off_the_engine_thread(engine, llm, monkeypatch):
+    """A request's checks and tokenization (`InputProcessor.process`) run on the inputs
+    thread, never on the engine thread, with a copy of the tokenizer that gives the engine's
+    ids; the engine thread only queues the checked request (`add_processed`), and a refusal
+    still reaches the caller naming its field."""
+    from pagedjax.engine.input_processor import InputProcessor
+
+    threads = []
+    real = InputProcessor.process
+
+    def process(self, *args, **kw):
+        threads.append(threading.current_thread().name)
+        return real(self, *args, **kw)
+
+    monkeypatch.setattr(InputProcessor, "process", process)
+    text = "hello there, how are you"
+
+    async def main():
+        params = _params(RequestOutputKind.FINAL_ONLY)
+        outs = [o async for o in engine.generate(text, params, "text")]
+        with pytest.raises(InvalidInputError) as info:
+            await engine.add_requests([("bad", [5, 10**6], params)])
+        assert info.value.param == "prompt"
+        await _settle(engine)
+        return outs[-1]
+
+    out = asyncio.run(main())
+    assert threads and all(t.startswith("pagedjax-inputs") for t in threads)
+    assert engine._input_processor.tokenizer is not engine.engine.tokenizer
+    assert out.prompt_token_ids == llm.get_tokenizer()(text).input_ids
+    want = llm.generate([text], _params(RequestOutputKind.FINAL_ONLY), use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == want.outputs[0].token_ids
+    assert _pool_whole(engine)
+
+
 def test_cumulative_outputs_come_straight_from_the_engine(engine):
     kinds = []
-    real_add = engine.engine.add_request
+    real_add = engine.engine.add_processed
 
-    def spy(request_id, prompt, params=None, *args, **kwargs):
-        kinds.append(params.output_kind)
-        return real_add(request_id, prompt, params, *args, **kwargs)
+    def spy(request_id, inp, *args, **kwargs):
+        kinds.append(inp.params.output_kind)
+        return real_add(request_id, inp, *args, **kwargs)
 
     async def run(kind, rid):
         params = _params(kind, ignore_eos=True)
         return [o async for o in engine.generate({"prompt_token_ids": PROMPTS[1]}, params, rid)]
 
-    engine.engine.add_request = spy  # the engine thread looks it up at each add
+    engine.engine.add_processed = spy  # the engine thread looks it up at each add
     try:
         cumulative = asyncio.run(run(RequestOutputKind.CUMULATIVE, "cum"))
         (final,) = asyncio.run(run(RequestOutputKind.FINAL_ONLY, "fin"))
     finally:
-        del engine.engine.add_request
+        del engine.engine.add_processed
     assert kinds == [RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY]
     assert len(cumulative) == 9  # one output per step, each holding everything so far
     for k, out in enumerate(cumulative):

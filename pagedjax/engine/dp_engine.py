@@ -65,6 +65,15 @@ class DataParallelEngine:
         )
         self._owner[request_id] = replica
 
+    def add_processed(self, request_id: str, inp, arrival_time=None, priority: int = 0) -> None:
+        """`LLMEngine.add_processed` on the least loaded replica (the replicas share one
+        model, so one `InputProcessor` serves them all)."""
+        if request_id in self._owner:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        replica = min(self.replicas, key=lambda r: r.get_num_unfinished_requests())
+        replica.add_processed(request_id, inp, arrival_time, priority)
+        self._owner[request_id] = replica
+
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         if isinstance(request_ids, str):
             request_ids = [request_ids]

@@ -1,6 +1,7 @@
 """LLMEngine: requests in, `RequestOutput`s out, one `step()` at a time.
 
-    add_request -> InputProcessor (validation, tokenization) -> Request -> Scheduler
+    add_request -> InputProcessor (validation, tokenization) -> add_processed -> Request
+    -> Scheduler
     step: Scheduler.schedule (which requests, how many tokens; KVCacheManager blocks)
     -> SchedulerOutput -> ModelRunner.execute (one compiled step: model, attention, sampler)
     -> ModelRunnerOutput -> Scheduler.update_from_output (tokens appended, text and stop
@@ -26,7 +27,7 @@ from collections.abc import Iterable
 
 from pagedjax.config import EngineConfig
 from pagedjax.engine.detokenizer import IncrementalDetokenizer
-from pagedjax.engine.input_processor import InputProcessor
+from pagedjax.engine.input_processor import InputProcessor, ProcessedInput
 from pagedjax.engine.kv_cache_manager import KVCacheManager
 from pagedjax.engine.metrics import StatLogger
 from pagedjax.engine.output_processor import OutputProcessor
@@ -215,6 +216,25 @@ class LLMEngine:
         if request_id in self.output_processor.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
         inp = self.input_processor.process(prompt, params, check_max_tokens)
+        self.add_processed(request_id, inp, arrival_time, priority)
+
+    def add_processed(
+        self,
+        request_id: str,
+        inp: ProcessedInput,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> None:
+        """Queues a request already checked by an `InputProcessor` of this engine's model
+        (`add_request` without the checks and the tokenization: the server runs those off the
+        engine's thread, see `AsyncLLM`). `inp.params` are the request's parameters.
+
+        Raises:
+            ValueError: a duplicate id, or a prompt that could never fit the KV cache; nothing
+                is queued then.
+        """
+        if request_id in self.output_processor.parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
         params = inp.params
         arrival = time.time() if arrival_time is None else arrival_time
         requests: list[Request] = []
