@@ -18,7 +18,7 @@ compile shares the two cores and the memory bus with XLA's threads, not the GIL.
 grammar compiles, the manager reports how many do (`on_compiling`), and the engine has the
 native CPU kernels leave that many cores to them (`ModelRunner.leave_cores`): the compile
 has a core of its own and the steps run on the others. On 2 cores (8 streams, a 400-object
-schema, 16 runs each way) the grammar was ready in 0.41-0.51 s instead of 0.74-0.83 s and the
+schema, 16 runs each way) the grammar was ready in 0.41-0.51 s instead of 0.70-0.83 s and the
 streams lost 30-45 % less step time in all; their slowest step stays about twice the median,
 which is what one core gives a step there (benchmarks/README.md, "Structured outputs").
 
