@@ -93,6 +93,29 @@ def test_large_int8_steps_of_a_native_stack(fmt):
             assert gguf_rel_err(got, ref, scale) < GGUF_TOL, (fmt, m)
 
 
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0"])
+def test_gguf_kernels_give_the_same_bits_capped_at_one_thread(fmt):
+    """Both GGUF kernels (float32 and int8 activations) at decode and prefill sizes, capped at
+    one thread (`cpu_kernels.set_thread_limit`, as while a grammar compiles) and not: their
+    work items, planned for the thread count, split output rows only, so every bit is kept."""
+    rng = np.random.default_rng(41)
+    # 512 rows: 2 threads plan items of 32 rows (int8), 1 thread of 64
+    w = gq.GGUFWeight(jnp.asarray(blocks_for(fmt, 512, 576, seed=42)), fmt, 576, native=True)
+    xs = [jnp.asarray(rng.normal(size=(m, 576)).astype(np.float32)) for m in (1, 8, 64, 300)]
+    calls = [
+        jax.jit(lambda x, w, a=act: cpu_gguf.matmul(x, w, activations=a))
+        for act in ("float32", "int8")
+    ]
+    try:
+        whole = [[np.asarray(f(x, w)) for x in xs] for f in calls]
+        cpu_kernels.set_thread_limit(1)
+        for f, wants in zip(calls, whole, strict=True):
+            for x, want in zip(xs, wants, strict=True):
+                np.testing.assert_array_equal(np.asarray(f(x, w)), want)
+    finally:
+        cpu_kernels.set_thread_limit(0)
+
+
 def test_k_quants_and_bad_settings():
     """A K-quant weight multiplies float32 activations whatever the setting (the same bits);
     an unknown setting is a ValueError naming it; only the real rows are computed."""
