@@ -12,6 +12,7 @@ import json
 import os
 import re
 import threading
+import time
 
 import jsonschema_rs
 import llguidance as llg
@@ -446,6 +447,28 @@ def test_kernels_leave_a_core_to_a_compiling_grammar(llm, monkeypatch):
     assert logprobs(done["beside"]) == logprobs(done["alone"])
     assert re.fullmatch("held-[0-9]{2}", done["held"].outputs[0].text)
     _assert_pool_whole(llm)
+
+
+def test_a_compile_is_uncounted_before_its_grammar_is_ready(llm, monkeypatch):
+    """The manager reports a grammar as compiling from its submission, and as done before
+    its future is: the step that takes the request already has every core back."""
+    mgr = llm.llm_engine.structured_output
+    go = threading.Event()
+    compile_ = mgr._compile
+    monkeypatch.setattr(mgr, "_compile", lambda text: (go.wait(30), compile_(text))[1])
+    held, seen = [], []
+    monkeypatch.setattr(
+        mgr, "on_compiling", lambda n: seen.append((n, held[0].done() if held else None))
+    )
+    req = mgr.new_request(SO(regex="uncounted-[0-9]{2}"))
+    held.append(req.compiled)
+    go.set()
+    req.compiled.result(30)
+    for _ in range(100):  # a done callback would run on the pool's thread
+        if len(seen) == 2:
+            break
+        time.sleep(0.01)
+    assert seen == [(1, None), (0, False)]
 
 
 def _metric(metrics, name: str) -> float:

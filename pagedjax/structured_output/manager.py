@@ -141,15 +141,21 @@ class StructuredOutputManager:
         if self.on_compiling is not None:
             self.on_compiling(min(self._pending, self._workers))
 
-    def _compile_done(self, _fut: concurrent.futures.Future) -> None:
-        with self._lock:
-            self._count_compiling(-1)
+    def _cancelled(self, fut: concurrent.futures.Future) -> None:
+        """Done callback: a compile cancelled before it ran is no longer counted."""
+        if fut.cancelled():
+            with self._lock:
+                self._count_compiling(-1)
 
     def _compile(self, text: str) -> llg.LLMatcher:
-        tokenizer = self._tokenizer.result()
-        t0 = time.perf_counter()
-        matcher = llg.LLMatcher(tokenizer, text, log_level=0)
-        dt = time.perf_counter() - t0
+        try:
+            tokenizer = self._tokenizer.result()
+            t0 = time.perf_counter()
+            matcher = llg.LLMatcher(tokenizer, text, log_level=0)
+            dt = time.perf_counter() - t0
+        finally:  # before the future is done: the step that takes the request has every core
+            with self._lock:
+                self._count_compiling(-1)
         with self._lock:
             self._compile_s.append(dt)
             self.stats["compiles"] += 1
@@ -182,7 +188,7 @@ class StructuredOutputManager:
             else:
                 self._cache.move_to_end(key)
         if submitted:  # outside the lock: a future already done runs its callback here
-            fut.add_done_callback(self._compile_done)
+            fut.add_done_callback(self._cancelled)
         return StructuredOutputRequest(so.kind, fut)
 
     def wait_any(self, requests: list[StructuredOutputRequest], timeout: float) -> None:
