@@ -431,6 +431,13 @@ def main(argv=None) -> None:
                 k: statistics.median(r[k] for r in served if r["checks_on_engine_thread"] == on)
                 for k in ("max_gap_over_median_step", "first_gap_over_median_step")
             }
+            | {
+                "runs_over_2": sum(
+                    r["max_gap_over_median_step"] > 2.0
+                    for r in served
+                    if r["checks_on_engine_thread"] == on
+                )
+            }
             for where, on in (("inputs_thread", False), ("engine_thread", True))
         }
         slow_summary["served_runs"] = served
