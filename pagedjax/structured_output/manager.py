@@ -178,8 +178,7 @@ class StructuredOutputManager:
             submitted = fut is None or (fut.done() and fut.exception() is not None)
             if submitted:
                 # counted from now, so that the step that follows already leaves the compile
-                # its core (counted when the compile started, the step it started in ran on
-                # every core beside it: the slowest of the streams' steps)
+                # its core (not from when the pool's thread starts it, mid-step)
                 self._count_compiling(1)
                 fut = self._pool.submit(self._compile, text)
                 self._cache[key] = fut
