@@ -5,12 +5,18 @@
     print(llm.generate("The capital of France is", SamplingParams(max_tokens=8))[0].outputs[0].text)
 
 Names are imported lazily so that the jax-free parts (the scheduler, the block manager) can
-be imported without jax.
+be imported without jax. Importing the package raises glibc's malloc arena limit
+(`pagedjax.malloc_arenas`).
 """
 
 from __future__ import annotations
 
 import importlib
+
+from pagedjax.malloc_arenas import raise_arena_limit
+
+# before jax starts its threads: every thread of the engine's process gets its own malloc arena
+raise_arena_limit()
 
 __version__ = "0.1.0"
 
