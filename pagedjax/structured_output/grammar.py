@@ -13,7 +13,15 @@ Each kind becomes llguidance's grammar text (`llguidance.LLMatcher.grammar_from_
 the grammar text and lets llguidance check it (no tokenizer needed) when the constraint is at
 most `SYNC_VALIDATION_MAX_CHARS` long, which costs about a millisecond; a larger one is
 checked when it compiles on the worker pool (about as long as its compilation: 0.2 s for a
-260 kB schema), and an error there ends only that request (finish_reason "error").
+260 kB schema), and an error there ends only that request (finish_reason "error"), with the
+reason `compile_error_message` gives.
+
+A schema longer than `SYNC_VALIDATION_MAX_CHARS` is inlined in a Lark grammar (`start: %json
+<schema>`, llguidance's syntax for it) rather than wrapped in llguidance's JSON grammar list:
+llguidance parses the JSON form while it holds the GIL, before it compiles (5-8 ms for a 265
+kB schema, which stalled the engine thread's step by that much), and reads the Lark form
+without parsing it, parsing it later with the GIL dropped. Both forms give the same token
+masks (tests/test_structured_outputs.py walks them side by side).
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from pagedjax.sampling_params import StructuredOutputsParams
 
 PARAM = "structured_outputs"
 SYNC_VALIDATION_MAX_CHARS = 16_384  # constraints up to this size are validated at add time
+INLINE_JSON = "start: %json "  # the Lark form of a schema longer than that
 
 
 def _constraint_value(so: StructuredOutputsParams) -> tuple[str, str, str | None]:
@@ -64,8 +73,9 @@ def grammar_text(so: StructuredOutputsParams) -> str:
     try:
         if kind in ("json", "json_object"):
             schema = value if kind == "json" else '{"type": "object"}'
-            if isinstance(so.json, str):
-                json.loads(schema)  # a clear message for text that is not JSON
+            parsed = json.loads(schema) if isinstance(so.json, str) else so.json  # clear errors
+            if len(schema) > SYNC_VALIDATION_MAX_CHARS and isinstance(parsed, dict):
+                return _inline_json(schema, parsed, options)
             return llg.LLMatcher.grammar_from_json_schema(schema, defaults=options)
         if kind == "regex":
             return llg.LLMatcher.grammar_from_regex(value)
@@ -76,6 +86,29 @@ def grammar_text(so: StructuredOutputsParams) -> str:
         return llg.grammar_from("grammar", value)  # Lark, or GBNF converted to Lark
     except ValueError as e:  # json.JSONDecodeError is a ValueError
         raise InvalidInputError(f"structured_outputs.{kind} is invalid: {e}", PARAM) from None
+
+
+def _inline_json(schema: str, parsed: dict, options: dict | None) -> str:
+    """A JSON-schema object as Lark (`INLINE_JSON` + the schema): llguidance's options go into
+    its "x-guidance" key, under those the schema sets itself, as
+    `grammar_from_json_schema(defaults=options)` merges them."""
+    if options is not None:
+        own = parsed.get("x-guidance")
+        schema = json.dumps(
+            {**parsed, "x-guidance": options | (own if isinstance(own, dict) else {})}
+        )
+    return INLINE_JSON + schema
+
+
+def compile_error_message(text: str, error: str) -> str:
+    """The reason grammar `text` does not compile, as llguidance gave it (`error`), or, for a
+    schema inlined in Lark, as its JSON-schema compiler gives it for the JSON form (without the
+    Lark position and the source line, which would repeat the whole schema). The latter
+    compiles the schema again (about as long as its compilation): call it only on failure."""
+    if not text.startswith(INLINE_JSON):
+        return error
+    plain = llg.LLMatcher.grammar_from_json_schema(text[len(INLINE_JSON) :])
+    return llg.LLMatcher.validate_grammar(plain).strip() or error
 
 
 def validate_structured_outputs(so: StructuredOutputsParams) -> str:

@@ -1,7 +1,8 @@
 """`StructuredOutputManager`: grammar compilation off the step path and the step's bitmask.
 
 Compilation: the first request with a given constraint submits its grammar to a thread pool
-(llguidance drops the GIL while it compiles); later requests with an equal constraint (the same
+(llguidance drops the GIL while it compiles, once it has read the grammar text: see
+`grammar` for a large schema's); later requests with an equal constraint (the same
 `grammar.grammar_text`, built once per request when it is validated) share the cached future
 (an LRU of `CACHE_SIZE` grammars). The llguidance tokenizer (the engine's Hugging Face
 tokenizer, as `llguidance.LLTokenizer`) is built once per engine, on the pool, when the
@@ -46,7 +47,7 @@ import llguidance.numpy as llg_np
 import numpy as np
 
 from pagedjax.sampling_params import StructuredOutputsParams
-from pagedjax.structured_output.grammar import grammar_text
+from pagedjax.structured_output.grammar import compile_error_message, grammar_text
 from pagedjax.structured_output.request import StructuredOutputRequest
 
 logger = logging.getLogger(__name__)
@@ -161,7 +162,8 @@ class StructuredOutputManager:
             self.stats["compiles"] += 1
             self.stats["compile_s"] += dt
         if matcher.is_error():
-            raise ValueError(f"the grammar does not compile: {matcher.get_error()}")
+            error = compile_error_message(text, matcher.get_error())
+            raise ValueError(f"the grammar does not compile: {error}")
         return matcher
 
     def new_request(
