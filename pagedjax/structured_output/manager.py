@@ -20,8 +20,11 @@ grammar compiles, the manager reports how many do (`on_compiling`), and the engi
 native CPU kernels leave that many cores to them (`ModelRunner.leave_cores`): the compile
 has a core of its own and the steps run on the others. On 2 cores (8 streams, a 400-object
 schema, 16 runs each way) the grammar was ready in 0.41-0.51 s instead of 0.70-0.83 s and the
-streams lost 30-45 % less step time in all; their slowest step stays about twice the median,
-which is what one core gives a step there (benchmarks/README.md, "Structured outputs").
+streams lost 30-45 % less step time in all. Served, their largest gap while it compiles is
+now a median 1.84 step times (18 runs; a step on the one core left takes 1.4-1.9x), after two
+stalls of the engine thread were removed: the compile thread sharing its malloc arena
+(`pagedjax.malloc_arenas`) and llguidance parsing a large schema under the GIL (`grammar`)
+(benchmarks/README.md, "Structured outputs").
 
 Bitmask: each step, `fill_bitmask` gives the scheduled rows a [rows, ceil(V / 32)] int32 mask
 (bit j of word w allows token 32 w + j; llguidance's layout); unconstrained rows and rows that
