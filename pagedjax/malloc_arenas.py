@@ -2,7 +2,7 @@
 
 glibc gives each thread that allocates a malloc arena (a heap with its own lock and free
 lists) until there are `M_ARENA_MAX` of them (by default 8 per core: 16 on 2 cores); after
-that, a new thread shares an existing arena, taken round-robin from the main thread's. The
+that, a new thread shares an existing one, chosen round-robin starting with the main thread's. The
 engine's process has about 20 threads once XLA has started (its thread pools, the server's
 event loop, the inputs and grammar threads), so on a small machine the grammar compile thread
 shared the engine thread's arena. llguidance's compile of a large schema allocates and frees
