@@ -15,7 +15,10 @@ from the steps' threads. (Not SCHED_IDLE: a compile thread of that class, starve
 holds the GIL, stalled the engine thread; on 2 cores busy with 8 streams their slowest step
 while a 400-object schema compiled was 3.9-5.5x the median step, against 1.8-2.3x at nice
 + 10 or + 19. What remains is in the steps' device phase, their host phases unchanged: the
-compile shares the two cores and the memory bus with XLA's threads, not the GIL.) So while a
+compile shares the two cores and the memory bus with XLA's threads, not the GIL. Measured
+before `pagedjax.malloc_arenas`; since, SCHED_IDLE with the kernels keeping every core gave a
+median largest gap of 1.97-1.98 steps over 6 runs, as leaving a core did, 1.90-2.08, but the
+grammar was ready after 1.4-1.5 s instead of 0.34-0.45 s.) So while a
 grammar compiles, the manager reports how many do (`on_compiling`), and the engine has the
 native CPU kernels leave that many cores to them (`ModelRunner.leave_cores`): the compile
 has a core of its own and the steps run on the others. On 2 cores (8 streams, a 400-object
