@@ -69,6 +69,14 @@ VALIDATORS = {
     t["function"]["name"]: jsonschema_rs.validator_for(t["function"]["parameters"]) for t in TOOLS
 }
 SAMPLED = dict(temperature=1.0, n=3, seed=7)
+# a schema longer than the engine checks when a request is added, with an error deep inside
+LARGE_BROKEN = {
+    "type": "object",
+    "properties": {
+        **{f"p{i}": {"type": "string", "pattern": "[a-z]{3}"} for i in range(600)},
+        "broken": {"type": "no-such-type"},
+    },
+}
 NO_WS: dict[str, float] = {}  # logit_bias against whitespace tokens, set by the app fixture
 
 
@@ -226,6 +234,15 @@ def test_openai_parse_returns_the_pydantic_object(app):
             },
             "response_format",
         ),
+        (  # too large to check when added: it fails on the compile pool, still a 400
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": LARGE_BROKEN},
+                }
+            },
+            "response_format",
+        ),
         (
             {
                 "tools": [
@@ -245,7 +262,7 @@ def test_openai_parse_returns_the_pydantic_object(app):
             "tools",
         ),
     ],
-    ids=["regex", "grammar", "json-schema", "tool-schema"],
+    ids=["regex", "grammar", "json-schema", "json-schema-large", "tool-schema"],
 )
 def test_constraints_that_do_not_compile_are_400_naming_the_field(app, body, param):
     async def run(client):
@@ -258,3 +275,37 @@ def test_constraints_that_do_not_compile_are_400_naming_the_field(app, body, par
     assert res.status_code == 400, res.text
     assert res.json()["error"]["param"] == param
     assert ok.choices[0].finish_reason == "length"  # the next request is served
+
+
+def test_a_large_schema_that_does_not_compile_on_completions(app):
+    """/v1/completions: not streamed, the 400 of a constraint checked when added; streamed
+    (begun before the compile failed), every choice ends with finish_reason "error" and the
+    reason as stop_reason."""
+    body = {
+        "model": MODEL,
+        "prompt": "Data?",
+        "max_tokens": 4,
+        "n": 2,
+        "structured_outputs": {"json": LARGE_BROKEN},
+    }
+
+    async def run(client):
+        http = client._client
+        plain = await http.post("http://t/v1/completions", json=body)
+        streamed = await http.post("http://t/v1/completions", json={**body, "stream": True})
+        return plain, streamed
+
+    plain, streamed = _run(app, run)
+    assert plain.status_code == 400, plain.text
+    error = plain.json()["error"]
+    assert error["param"] == "structured_outputs"
+    assert error["message"].endswith("does not compile: Invalid type: no-such-type")
+    assert streamed.status_code == 200
+    chunks = [
+        json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")
+    ]
+    ends = {c["index"]: c for ch in chunks for c in ch["choices"] if c["finish_reason"]}
+    assert sorted(ends) == [0, 1]
+    for c in ends.values():
+        assert c["finish_reason"] == "error"
+        assert c["stop_reason"].endswith("Invalid type: no-such-type")

@@ -23,7 +23,7 @@ import json
 import logging
 import math
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 from pagedjax.engine.async_llm import AsyncLLM, RequestStream
@@ -83,6 +83,26 @@ def bad_input(
     elif param == "structured_outputs" and constraint_param:
         param = constraint_param
     return bad_request(str(e), param)
+
+
+def refuse_late_constraint_errors(
+    results: Iterable[RequestOutput], constraint_param: str | None = None
+) -> None:
+    """A non-streamed request whose constraint failed to compile after it was queued (one too
+    large to check when added, `structured_output.grammar`) gets the 400 it would have had if
+    checked then, instead of choices with finish_reason "error" and no text. (A stream has
+    started by then: its choices end with finish_reason "error", the reason as stop_reason.)
+
+    Raises:
+        APIError 400: an output ended with finish_reason "error" before any token; its
+            message is the reason, its param `constraint_param` (default
+            "structured_outputs").
+    """
+    for res in results:
+        for o in res.outputs:
+            if o.finish_reason == "error" and not o.token_ids:
+                reason = o.stop_reason or "the output constraint does not compile"
+                raise bad_request(str(reason), constraint_param or "structured_outputs")
 
 
 def random_id(prefix: str) -> str:

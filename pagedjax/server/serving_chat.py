@@ -59,6 +59,7 @@ from pagedjax.server.serving import (
     clamp_logprob,
     merge_streams,
     random_id,
+    refuse_late_constraint_errors,
     sse,
 )
 from pagedjax.server.tool_parsers import (
@@ -139,12 +140,13 @@ class OpenAIServingChat(OpenAIServing):
             request.chat_template_kwargs,
         )
         request_id = random_id("chatcmpl")
+        constraint_param = "tools" if source == "tool_choice" else source
         (stream,) = await self.add_requests(
             [(request_id, {"prompt_token_ids": ids}, params)],
             request.priority,
             check_max_tokens=params.max_tokens is not None,
             prompt_param="messages",
-            constraint_param="tools" if source == "tool_choice" else source,
+            constraint_param=constraint_param,
         )
         created = int(time.time())
         echo = _echo_text(request)
@@ -159,6 +161,7 @@ class OpenAIServingChat(OpenAIServing):
                 final = out
         except EngineError as e:
             raise APIError(500, str(e), type="server_error") from e
+        refuse_late_constraint_errors([final], constraint_param)
         choices = [
             ChatChoice(
                 index=o.index,

@@ -35,6 +35,7 @@ from pagedjax.server.serving import (
     clamp_logprob,
     merge_streams,
     random_id,
+    refuse_late_constraint_errors,
     sse,
 )
 
@@ -95,6 +96,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 results[i] = out
         except EngineError as e:
             raise APIError(500, str(e), type="server_error") from e
+        refuse_late_constraint_errors(results)
         return JSONResponse(
             self._response(request, request_id, created, prompts, results).model_dump()
         )
