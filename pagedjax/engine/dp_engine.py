@@ -57,9 +57,7 @@ class DataParallelEngine:
     ) -> None:
         """Queues a request on the least loaded replica (see `LLMEngine.add_request`, whose
         arguments and errors these are; a duplicate id raises ValueError)."""
-        if request_id in self._owner:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        replica = min(self.replicas, key=lambda r: r.get_num_unfinished_requests())
+        replica = self._replica_for(request_id)
         replica.add_request(
             request_id, prompt, params, arrival_time, priority, check_max_tokens=check_max_tokens
         )
@@ -68,11 +66,15 @@ class DataParallelEngine:
     def add_processed(self, request_id: str, inp, arrival_time=None, priority: int = 0) -> None:
         """`LLMEngine.add_processed` on the least loaded replica (the replicas share one
         model, so one `InputProcessor` serves them all)."""
-        if request_id in self._owner:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        replica = min(self.replicas, key=lambda r: r.get_num_unfinished_requests())
+        replica = self._replica_for(request_id)
         replica.add_processed(request_id, inp, arrival_time, priority)
         self._owner[request_id] = replica
+
+    def _replica_for(self, request_id: str) -> LLMEngine:
+        """The least loaded replica, for a new request id (ValueError if it is in use)."""
+        if request_id in self._owner:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        return min(self.replicas, key=lambda r: r.get_num_unfinished_requests())
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         if isinstance(request_ids, str):
