@@ -18,9 +18,9 @@ from pagedjax.errors import InvalidInputError
 from pagedjax.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedjax.sampling_params import RequestOutputKind
 from pagedjax.server.protocol import ChatCompletionRequest, CompletionRequest
-from pagedjax.server.serving import APIError
 from pagedjax.server.serving_chat import OpenAIServingChat
 from pagedjax.server.serving_completion import OpenAIServingCompletion
+from pagedjax.server.serving_errors import APIError
 
 PROMPTS = [[10, 11, 12], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56]]
 

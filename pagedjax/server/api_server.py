@@ -55,9 +55,10 @@ from pagedjax.server.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from pagedjax.server.serving import APIError, OpenAIServing, bad_request
+from pagedjax.server.serving import OpenAIServing
 from pagedjax.server.serving_chat import OpenAIServingChat
 from pagedjax.server.serving_completion import OpenAIServingCompletion
+from pagedjax.server.serving_errors import APIError, bad_request
 
 logger = logging.getLogger(__name__)
 

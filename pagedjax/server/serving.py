@@ -1,7 +1,7 @@
-"""What the completions and chat handlers share: the error type, the model check, prompt
-preparation (tokenization, the chat template), handing requests to the engine (whose
-refusals become 400s), logprob conversion, SSE framing, and the merge of several request
-streams into one.
+"""What the completions and chat handlers share: the model check, prompt preparation
+(tokenization; the chat template through `chat_rendering`), handing requests to the engine
+(whose refusals become 400s, `serving_errors`), logprob conversion, SSE framing, and the
+merge of several request streams into one.
 
 Tokenization and chat-template rendering happen here, off the event loop, on a small pool
 of threads (`TOKENIZER_THREADS`; a fast tokenizer releases the GIL while it encodes), so a
@@ -19,90 +19,32 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
-import json
 import logging
 import math
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, TypeVar
 
 from pagedjax.engine.async_llm import AsyncLLM, RequestStream
-from pagedjax.errors import InvalidInputError
 from pagedjax.inputs import PromptType
 from pagedjax.outputs import Logprob, RequestOutput
 from pagedjax.sampling_params import SamplingParams
+from pagedjax.server.chat_rendering import render_chat, template_reads_tools
 from pagedjax.server.protocol import (
     ChatMessage,
-    ErrorInfo,
-    ErrorResponse,
     PromptLogprob,
     PromptLogprobs,
     SamplingRequest,
     TokenizeRequest,
     TokenizeResponse,
 )
+from pagedjax.server.serving_errors import APIError, bad_input, bad_request
 
 logger = logging.getLogger(__name__)
 
 _MIN_LOGPROB = -9999.0  # what -inf becomes in JSON (vLLM's convention)
 TOKENIZER_THREADS = 4  # requests tokenized (or rendered) at once, off the event loop
 _T = TypeVar("_T")
-
-
-class APIError(Exception):
-    """An error answered with OpenAI's error body (`ErrorResponse`) and an HTTP status."""
-
-    def __init__(
-        self,
-        status_code: int,
-        message: str,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | int | None = None,
-    ):
-        super().__init__(message)
-        self.status_code = status_code
-        self.body = ErrorResponse(
-            error=ErrorInfo(message=message, type=type, param=param, code=code)
-        )
-
-
-def bad_request(message: str, param: str | None = None) -> APIError:
-    return APIError(400, message, param=param)
-
-
-def bad_input(
-    e: ValueError, prompt_param: str = "prompt", constraint_param: str | None = None
-) -> APIError:
-    """The 400 for a refused input: an `InvalidInputError`'s `param` (its "prompt" renamed
-    to `prompt_param`, the endpoint's field, and its "structured_outputs" to
-    `constraint_param`, the field the constraint came from), none for a plain ValueError."""
-    param = e.param if isinstance(e, InvalidInputError) else None
-    if param == "prompt":
-        param = prompt_param
-    elif param == "structured_outputs" and constraint_param:
-        param = constraint_param
-    return bad_request(str(e), param)
-
-
-def refuse_late_constraint_errors(
-    results: Iterable[RequestOutput], constraint_param: str | None = None
-) -> None:
-    """A non-streamed request whose constraint failed to compile after it was queued (one too
-    large to check when added, `structured_output.grammar`) gets the 400 it would have had if
-    checked then, instead of choices with finish_reason "error" and no text. (A stream has
-    started by then: its choices end with finish_reason "error", the reason as stop_reason.)
-
-    Raises:
-        APIError 400: an output ended with finish_reason "error" before any token; its
-            message is the reason, its param `constraint_param` (default
-            "structured_outputs").
-    """
-    for res in results:
-        for o in res.outputs:
-            if o.finish_reason == "error" and not o.token_ids:
-                reason = o.stop_reason or "the output constraint does not compile"
-                raise bad_request(str(reason), constraint_param or "structured_outputs")
 
 
 def random_id(prefix: str) -> str:
@@ -130,6 +72,7 @@ class OpenAIServing:
         self.engine = engine
         self.served_model_name = served_model_name
         self.chat_template = chat_template
+        self._tools_warned = False  # the "template ignores tools" warning, once per server
         self.tokenizer = engine.get_tokenizer()
         mc = engine.model_config
         self.max_model_len = mc.max_model_len  # reported by /tokenize and /v1/models
@@ -278,61 +221,34 @@ class OpenAIServing:
         tools: Sequence[Any] | None = None,
         template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
-        """Token ids of a conversation rendered through the chat template.
+        """Token ids of a conversation through the server's chat template (`--chat-template`,
+        else the tokenizer's); see `chat_rendering.render_chat`. The first request with
+        tools under a template that never reads them is logged, once per server.
 
         Raises:
-            APIError 400: no template, a message the template cannot render, non-text content.
+            APIError 400: no tokenizer or template, a message the template cannot render,
+                non-text content.
         """
         tok = self.require_tokenizer()
-        template = self.chat_template
-        if template is None and not getattr(tok, "chat_template", None):
-            raise bad_request(
-                "the model has no chat template; start the server with --chat-template"
-            )
-        conversation = [message_dict(m, i) for i, m in enumerate(messages)]
-        tools = [_tool_dict(t) for t in tools] if tools else None
-        if tools:
-            self._warn_if_template_ignores_tools(template if template is not None else tok)
-        if continue_final_message and conversation[-1]["role"] != "assistant":
-            raise bad_request("continue_final_message needs a final assistant message", "messages")
-        kwargs = dict(template_kwargs or {})
-        for reserved in ("tokenize", "return_dict", "chat_template", "conversation"):
-            kwargs.pop(reserved, None)
-        try:
-            ids = tok.apply_chat_template(
-                conversation,
-                chat_template=template,
-                tools=tools,
-                add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message,
-                tokenize=True,
-                return_dict=False,
-                **kwargs,
-            )
-        except Exception as e:  # jinja2 errors, the template's raise_exception(), ...
-            raise bad_request(
-                f"the chat template could not render the messages: {e}", "messages"
-            ) from e
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return list(ids)
-
-    def _warn_if_template_ignores_tools(self, template_or_tokenizer: Any) -> None:
-        """Logs once per server when the chat template never reads `tools` (requests are
-        then rendered without their tools; --chat-template can supply one that does)."""
-        if getattr(self, "_tools_warned", False):
-            return
-        source = template_or_tokenizer
-        if not isinstance(source, str):
-            source = getattr(source, "chat_template", None) or ""
-        if isinstance(source, dict):  # named templates: the "tool_use" one, else the default
-            source = source.get("tool_use") or source.get("default") or ""
-        if "tools" not in source:
-            logger.warning(
-                "the chat template does not render `tools`: requests with tools are rendered "
-                "without them (start the server with a --chat-template that renders them)"
-            )
-        self._tools_warned = True
+        if tools and not self._tools_warned:
+            self._tools_warned = True
+            if not template_reads_tools(
+                self.chat_template if self.chat_template is not None else tok
+            ):
+                logger.warning(
+                    "the chat template does not render `tools`: requests with tools are "
+                    "rendered without them (start the server with a --chat-template that "
+                    "renders them)"
+                )
+        return render_chat(
+            tok,
+            self.chat_template,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            tools=tools,
+            template_kwargs=template_kwargs,
+        )
 
     # ------------------------------------------------------------------ logprobs
 
@@ -386,58 +302,6 @@ def _pool() -> concurrent.futures.ThreadPoolExecutor:
 
 def clamp_logprob(x: float) -> float:
     return _MIN_LOGPROB if math.isinf(x) or math.isnan(x) else max(x, _MIN_LOGPROB)
-
-
-def _tool_dict(tool: Any) -> dict[str, Any]:
-    """A tool as chat templates read it: `{"type": "function", "function": {...}}`."""
-    if isinstance(tool, dict):
-        return tool
-    return tool.model_dump(exclude_none=True, by_alias=True)
-
-
-def message_dict(m: ChatMessage, i: int) -> dict[str, Any]:
-    """A message as chat templates read it: text parts joined, an assistant's `tool_calls`
-    with their arguments parsed into objects (as Hugging Face templates expect), a tool
-    message's `tool_call_id`.
-
-    Raises:
-        APIError 400: non-text content parts, tool-call arguments that are not JSON.
-    """
-    content = m.content
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if part.type != "text" or part.text is None:
-                raise bad_request(
-                    f"messages[{i}]: only text content parts are supported, got {part.type!r}",
-                    "messages",
-                )
-            parts.append(part.text)
-        content = "\n".join(parts)
-    out: dict[str, Any] = {"role": m.role, "content": content if content is not None else ""}
-    if m.name is not None:
-        out["name"] = m.name
-    if m.tool_call_id is not None:
-        out["tool_call_id"] = m.tool_call_id
-    if m.tool_calls:
-        calls = []
-        for j, call in enumerate(m.tool_calls):
-            try:
-                arguments = json.loads(call.function.arguments)
-            except json.JSONDecodeError as e:
-                raise bad_request(
-                    f"messages[{i}].tool_calls[{j}].function.arguments is not valid JSON: {e}",
-                    "messages",
-                ) from e
-            entry = {
-                "type": "function",
-                "function": {"name": call.function.name, "arguments": arguments},
-            }
-            if call.id is not None:
-                entry["id"] = call.id
-            calls.append(entry)
-        out["tool_calls"] = calls
-    return out
 
 
 async def merge_streams(

@@ -28,15 +28,17 @@ from pagedjax.server.protocol import (
 )
 from pagedjax.server.serving import (
     SSE_DONE,
-    APIError,
     OpenAIServing,
-    bad_input,
-    bad_request,
     clamp_logprob,
     merge_streams,
     random_id,
-    refuse_late_constraint_errors,
     sse,
+)
+from pagedjax.server.serving_errors import (
+    APIError,
+    bad_input,
+    bad_request,
+    refuse_late_constraint_errors,
 )
 
 
