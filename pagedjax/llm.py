@@ -9,6 +9,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from pagedjax.chat_template import render_conversation
 from pagedjax.engine.factory import create_engine
 from pagedjax.engine_args import EngineArgs
 from pagedjax.errors import InvalidInputError
@@ -83,44 +84,53 @@ class LLM:
 
     def chat(
         self,
-        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Generates replies to conversations rendered with the tokenizer's chat template.
 
         Args:
-            messages: one conversation (a list of {"role", "content"} dicts) or a list of them.
+            messages: one conversation (a list of OpenAI-style message dicts: "role",
+                "content" as a string or text parts, and for tool use "tool_calls" and
+                "tool_call_id") or a list of them.
             sampling_params: as in `generate`.
             chat_template: a Jinja template to use instead of the tokenizer's.
             add_generation_prompt: end the rendering with the assistant turn's opening.
             continue_final_message: let the model continue the last message instead.
+            tools: tool definitions (`{"type": "function", "function": {"name",
+                "description", "parameters"}}`) passed to the template as `tools`; a template
+                that does not read `tools` renders without them.
+            chat_template_kwargs: extra variables for the template (e.g.
+                {"enable_thinking": False} for Qwen3's).
 
         Raises:
-            ValueError: both add_generation_prompt and continue_final_message, or no template.
+            InvalidInputError (a ValueError): both add_generation_prompt and
+                continue_final_message, no template, content parts that are not text,
+                tool-call arguments that are not JSON, or messages the template cannot
+                render.
         """
-        if add_generation_prompt and continue_final_message:
-            raise ValueError("add_generation_prompt and continue_final_message are exclusive")
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         tok = self.get_tokenizer()
-        if chat_template is None and not getattr(tok, "chat_template", None):
-            raise ValueError("the tokenizer has no chat template; pass chat_template=")
-        prompts = []
-        for conv in conversations:
-            ids = tok.apply_chat_template(
-                conv,
-                chat_template=chat_template,
-                add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message,
-                tokenize=True,
-                return_dict=False,
-            )
-            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-                ids = ids["input_ids"]
-            prompts.append({"prompt_token_ids": list(ids)})
+        prompts = [
+            {
+                "prompt_token_ids": render_conversation(
+                    tok,
+                    conv,
+                    chat_template=chat_template,
+                    tools=tools,
+                    add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message,
+                    chat_template_kwargs=chat_template_kwargs,
+                )
+            }
+            for conv in conversations
+        ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def beam_search(

@@ -1,24 +1,19 @@
-"""Chat messages to prompt token ids through a Jinja chat template (Hugging Face's
-`apply_chat_template`), as the OpenAI chat endpoint needs them.
+"""The chat endpoint's messages and tools as the dicts chat templates read, rendered to
+prompt token ids by `pagedjax.chat_template.render_conversation` (shared with `LLM.chat`).
 
-Messages are turned into the dicts templates read: text parts joined, an assistant's
-`tool_calls` with their arguments parsed into objects, a tool message's `tool_call_id`; tools
-into `{"type": "function", "function": {...}}`. Anything the template cannot render, and
-content this server does not take (images, audio), is a 400 naming `messages`.
+Text content parts are joined; content this server does not take (images, audio) is a 400
+naming `messages`, as is anything the template cannot render.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from typing import Any
 
+from pagedjax.chat_template import render_conversation
+from pagedjax.errors import InvalidInputError
 from pagedjax.server.protocol import ChatMessage
 from pagedjax.server.serving_errors import bad_request
-
-# Keyword arguments of `apply_chat_template` that this module sets itself: a request's
-# `chat_template_kwargs` cannot override them.
-_RESERVED_KWARGS = ("tokenize", "return_dict", "chat_template", "conversation")
 
 
 def render_chat(
@@ -41,44 +36,30 @@ def render_chat(
         continue_final_message: leave the final assistant message open (it must exist).
         tools: the request's tools (pydantic models or dicts), passed as the template's
             `tools`; None or empty: none.
-        template_kwargs: extra template variables (`chat_template_kwargs`), minus the
-            arguments this function sets.
+        template_kwargs: extra template variables (`chat_template_kwargs`).
 
     Returns:
         The prompt's token ids.
 
     Raises:
         APIError 400: no template, a message the template cannot render, non-text content,
-            tool-call arguments that are not JSON, continue_final_message without a final
-            assistant message.
+            tool-call arguments that are not JSON, add_generation_prompt with
+            continue_final_message, continue_final_message without a final assistant
+            message.
     """
-    if chat_template is None and not getattr(tokenizer, "chat_template", None):
-        raise bad_request("the model has no chat template; start the server with --chat-template")
     conversation = [message_dict(m, i) for i, m in enumerate(messages)]
-    tool_dicts = [tool_dict(t) for t in tools] if tools else None
-    if continue_final_message and conversation[-1]["role"] != "assistant":
-        raise bad_request("continue_final_message needs a final assistant message", "messages")
-    kwargs = dict(template_kwargs or {})
-    for reserved in _RESERVED_KWARGS:
-        kwargs.pop(reserved, None)
     try:
-        ids = tokenizer.apply_chat_template(
+        return render_conversation(
+            tokenizer,
             conversation,
             chat_template=chat_template,
-            tools=tool_dicts,
+            tools=[tool_dict(t) for t in tools] if tools else None,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
-            tokenize=True,
-            return_dict=False,
-            **kwargs,
+            chat_template_kwargs=template_kwargs,
         )
-    except Exception as e:  # jinja2 errors, the template's raise_exception(), ...
-        raise bad_request(
-            f"the chat template could not render the messages: {e}", "messages"
-        ) from e
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-        ids = ids["input_ids"]
-    return list(ids)
+    except InvalidInputError as e:
+        raise bad_request(str(e), e.param) from e
 
 
 def template_reads_tools(template_or_tokenizer: Any) -> bool:
@@ -102,11 +83,11 @@ def tool_dict(tool: Any) -> dict[str, Any]:
 
 def message_dict(m: ChatMessage, i: int) -> dict[str, Any]:
     """Message i as chat templates read it: text parts joined, an assistant's `tool_calls`
-    with their arguments parsed into objects (as Hugging Face templates expect), a tool
-    message's `tool_call_id`.
+    (their arguments still the JSON strings the API carries: `render_conversation` parses
+    them), a tool message's `tool_call_id`.
 
     Raises:
-        APIError 400: non-text content parts, tool-call arguments that are not JSON.
+        APIError 400: non-text content parts.
     """
     content = m.content
     if isinstance(content, list):
@@ -126,17 +107,10 @@ def message_dict(m: ChatMessage, i: int) -> dict[str, Any]:
         out["tool_call_id"] = m.tool_call_id
     if m.tool_calls:
         calls = []
-        for j, call in enumerate(m.tool_calls):
-            try:
-                arguments = json.loads(call.function.arguments)
-            except json.JSONDecodeError as e:
-                raise bad_request(
-                    f"messages[{i}].tool_calls[{j}].function.arguments is not valid JSON: {e}",
-                    "messages",
-                ) from e
+        for call in m.tool_calls:
             entry = {
                 "type": "function",
-                "function": {"name": call.function.name, "arguments": arguments},
+                "function": {"name": call.function.name, "arguments": call.function.arguments},
             }
             if call.id is not None:
                 entry["id"] = call.id

@@ -1,0 +1,132 @@
+"""A conversation to prompt token ids through a Jinja chat template (Hugging Face's
+`apply_chat_template`), for `LLM.chat` and the server's chat endpoint alike.
+
+Messages are OpenAI-style dicts. Content may be a string or a list of text parts (joined by
+newlines, as vLLM's "string" content format does). An assistant message's `tool_calls` may carry
+`function.arguments` as the JSON string the OpenAI API uses: it is parsed into an object
+first, since Hugging Face templates read the arguments as a mapping (as vLLM does before
+rendering). Tools are passed as the template's `tools` variable, extra variables
+(`chat_template_kwargs`) as keyword arguments, minus those this module sets itself.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from pagedjax.errors import InvalidInputError
+
+# Keyword arguments of `apply_chat_template` set here: `chat_template_kwargs` cannot
+# override them.
+RESERVED_KWARGS = ("tokenize", "return_dict", "chat_template", "conversation")
+
+
+def render_conversation(
+    tokenizer: Any,
+    conversation: Sequence[Mapping[str, Any]],
+    *,
+    chat_template: str | None = None,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
+) -> list[int]:
+    """Token ids of one conversation rendered through a chat template.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer (its `apply_chat_template`).
+        conversation: messages, each a dict with "role" and "content" (and optionally
+            "name", "tool_calls", "tool_call_id"); not modified.
+        chat_template: a Jinja template to use instead of the tokenizer's, or None.
+        tools: tool definitions (`{"type": "function", "function": {...}}`) for the
+            template's `tools` variable; None or empty: none.
+        add_generation_prompt: end with the template's assistant header.
+        continue_final_message: leave the final assistant message open for the model to
+            continue (it must exist); exclusive with add_generation_prompt.
+        chat_template_kwargs: extra template variables.
+
+    Returns:
+        The prompt's token ids.
+
+    Raises:
+        InvalidInputError: no template (param None); add_generation_prompt together with
+            continue_final_message, continue_final_message without a final assistant
+            message, tool-call arguments that are not JSON, or a conversation the template
+            cannot render (param "messages").
+    """
+    if chat_template is None and not getattr(tokenizer, "chat_template", None):
+        raise InvalidInputError(
+            "the model has no chat template; give one (chat_template, or the server's "
+            "--chat-template)"
+        )
+    if add_generation_prompt and continue_final_message:
+        raise InvalidInputError(
+            "add_generation_prompt and continue_final_message are exclusive",
+            "continue_final_message",
+        )
+    if not conversation:
+        raise InvalidInputError("messages must not be empty", "messages")
+    if continue_final_message and conversation[-1].get("role") != "assistant":
+        raise InvalidInputError(
+            "continue_final_message needs a final assistant message", "messages"
+        )
+    messages = [_template_message(m, i) for i, m in enumerate(conversation)]
+    kwargs = {k: v for k, v in (chat_template_kwargs or {}).items() if k not in RESERVED_KWARGS}
+    try:
+        ids = tokenizer.apply_chat_template(
+            messages,
+            chat_template=chat_template,
+            tools=list(tools) if tools else None,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            tokenize=True,
+            return_dict=False,
+            **kwargs,
+        )
+    except Exception as e:  # jinja2 errors, the template's raise_exception(), ...
+        raise InvalidInputError(
+            f"the chat template could not render the messages: {e}", "messages"
+        ) from e
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+def _template_message(message: Mapping[str, Any], i: int) -> Mapping[str, Any]:
+    """Message i as templates read it (a copy only where something changes): content given
+    as OpenAI text parts (`[{"type": "text", "text": ...}, ...]`) joined by newlines, each
+    tool call's `function.arguments` given as a JSON string parsed into an object.
+
+    Raises:
+        InvalidInputError: a content part that is not text, arguments that are not JSON.
+    """
+    content = message.get("content")
+    calls = message.get("tool_calls") or ()
+    string_args = any(isinstance((c.get("function") or {}).get("arguments"), str) for c in calls)
+    if not isinstance(content, list) and not string_args:
+        return message
+    message = copy.deepcopy(dict(message))
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, Mapping) or part.get("type") != "text":
+                kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+                raise InvalidInputError(
+                    f"messages[{i}]: only text content parts are supported, got {kind!r}",
+                    "messages",
+                )
+            texts.append(str(part.get("text", "")))
+        message["content"] = "\n".join(texts)
+    for j, call in enumerate(message.get("tool_calls") or ()):
+        fn = call.get("function") or {}
+        if isinstance(fn.get("arguments"), str):
+            try:
+                fn["arguments"] = json.loads(fn["arguments"])
+            except json.JSONDecodeError as e:
+                raise InvalidInputError(
+                    f"messages[{i}].tool_calls[{j}].function.arguments is not valid JSON: {e}",
+                    "messages",
+                ) from e
+    return message
