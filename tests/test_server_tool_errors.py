@@ -136,6 +136,26 @@ BAD = [
         "messages",
         "not valid JSON",
     ),
+    # rendering refusals (pagedjax.chat_template)
+    (
+        {"messages": MSG, "add_generation_prompt": True, "continue_final_message": True},
+        "continue_final_message",
+        "exclusive",
+    ),
+    (
+        {"messages": MSG, "add_generation_prompt": False, "continue_final_message": True},
+        "messages",
+        "final assistant message",
+    ),
+    (
+        {
+            "messages": [
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
+            ]
+        },
+        "messages",
+        "only text content parts",
+    ),
 ]
 
 

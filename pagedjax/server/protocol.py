@@ -276,7 +276,7 @@ class ChatCompletionRequest(SamplingRequest):
         """
         self.check_stream_options()
         if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs to be true")
+            raise InvalidInputError("top_logprobs needs logprobs to be true", "top_logprobs")
         if self.tool_choice not in (None, "none") and not self.tools:
             raise InvalidInputError("when tool_choice is given, tools must be set", "tool_choice")
         if self.tools:
@@ -284,9 +284,14 @@ class ChatCompletionRequest(SamplingRequest):
         if isinstance(self.tool_choice, NamedToolChoice):
             find_tool(self.tools, self.tool_choice)
         if self.chat_template is not None:
-            raise ValueError("chat_template in a request is not accepted; use --chat-template")
+            raise InvalidInputError(
+                "chat_template in a request is not accepted; use --chat-template", "chat_template"
+            )
         if self.add_generation_prompt and self.continue_final_message:
-            raise ValueError("add_generation_prompt and continue_final_message are exclusive")
+            raise InvalidInputError(
+                "add_generation_prompt and continue_final_message are exclusive",
+                "continue_final_message",
+            )
         max_tokens = self.max_completion_tokens or self.max_tokens or default_max_tokens
         return SamplingParams(
             max_tokens=max_tokens,

@@ -191,7 +191,10 @@ class OpenAIServing:
             if not request.messages:
                 raise bad_request("messages must not be empty", "messages")
             if request.add_generation_prompt and request.continue_final_message:
-                raise bad_request("add_generation_prompt and continue_final_message are exclusive")
+                raise bad_request(
+                    "add_generation_prompt and continue_final_message are exclusive",
+                    "continue_final_message",
+                )
             ids = await self.render_chat_async(
                 request.messages,
                 request.add_generation_prompt,
