@@ -83,7 +83,7 @@ class RequestOutputKind(enum.Enum):
     """What `RequestOutput`s carry while a request runs (vLLM's names)."""
 
     CUMULATIVE = 0  # the whole output so far, every step
-    DELTA = 1  # only what is new since the last output
+    DELTA = 1  # only what is new since the last output (with n > 1: the samples that progressed)
     FINAL_ONLY = 2  # one output, when the request finishes
 
 

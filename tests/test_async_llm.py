@@ -83,9 +83,12 @@ def test_every_output_kind_equals_offline(engine, llm):
         want = ref[i].outputs
         if kind == 0:  # DELTA: the pieces join to the final output
             for k in range(2):
-                pieces = [o.outputs[k] for o in outs]
+                pieces = [c for o in outs for c in o.outputs if c.index == k]
                 assert "".join(p.text for p in pieces) == want[k].text
                 assert sum((p.token_ids for p in pieces), []) == want[k].token_ids
+                # each piece is new: a token, or the finish, reported once and last
+                assert all(p.token_ids for p in pieces[:-1])
+                assert [p.finish_reason for p in pieces] == [None] * (len(pieces) - 1) + ["length"]
         else:  # CUMULATIVE grows to it; FINAL_ONLY is it, once
             assert kind == 1 or len(outs) == 1
             assert [o.text for o in outs[-1].outputs] == [w.text for w in want]

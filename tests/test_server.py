@@ -188,18 +188,19 @@ def test_chat_equals_offline_streamed_or_not(server, client, llm):
         stream=True,
         stream_options={"include_usage": True},
     )
-    content, roles, finish, usage = ["", ""], [[], []], [None, None], None
+    content, roles, finish, usage = ["", ""], [[], []], [[], []], None
     for chunk in stream:
         assert chunk.object == "chat.completion.chunk"
         if chunk.usage is not None:
             usage = chunk.usage
         for c in chunk.choices:
+            assert not finish[c.index], "a chunk after the choice's finish"
             roles[c.index] += [c.delta.role] if c.delta.role else []
             content[c.index] += c.delta.content or ""
-            finish[c.index] = finish[c.index] or c.finish_reason
+            finish[c.index] += [c.finish_reason] if c.finish_reason else []
     assert content == [ref.outputs[0].text] * 2
     assert roles == [["assistant"], ["assistant"]]
-    assert finish == ["length", "length"]
+    assert finish == [["length"], ["length"]]  # once per choice, in its last chunk
     assert (usage.prompt_tokens, usage.completion_tokens) == (len(ref.prompt_token_ids), 20)
 
 

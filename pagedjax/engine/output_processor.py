@@ -25,6 +25,7 @@ class ChildState:
     index: int
     logprobs: list[dict[int, Logprob]] | None = None
     sent_tokens: int = 0  # output tokens already reported (output_kind DELTA)
+    sent_finished: bool = False  # its finish already reported (output_kind DELTA)
 
 
 @dataclasses.dataclass
@@ -141,13 +142,21 @@ class OutputProcessor:
         return outputs
 
     def make_output(self, parent: ParentState, finished: bool) -> RequestOutput:
+        """The parent's output in its `output_kind`: every sample (CUMULATIVE, FINAL_ONLY) or
+        only the samples with a new token or a new finish (DELTA)."""
         delta = parent.params.output_kind == RequestOutputKind.DELTA
         outs = []
         for c in parent.children:
             r = c.request
             start = c.sent_tokens if delta else 0
             if delta:
+                # Only what is new: a sample with no new token and no new finish is left
+                # out (vLLM's DELTA outputs of n > 1 carry the samples that progressed), so
+                # a finished sample is not reported again while the others run on.
+                if r.num_output_tokens == start and (c.sent_finished or not r.is_finished):
+                    continue
                 c.sent_tokens = r.num_output_tokens
+                c.sent_finished = r.is_finished
             outs.append(
                 CompletionOutput(
                     index=c.index,
