@@ -10,6 +10,7 @@ import torch
 from conftest import hf_model
 
 from pagedjax import BeamSearchParams, SamplingParams
+from pagedjax.errors import InvalidInputError
 
 
 @pytest.fixture(scope="module")
@@ -392,3 +393,19 @@ def test_seed_minus_one_means_no_seed(llm, prompts8):
 
     assert run(-1) != run(-1)
     assert run(7) == run(7)
+
+
+def test_priority_without_the_priority_policy_is_refused(llm):
+    """vLLM's rule: a priority the fcfs scheduler would ignore is an error naming the field,
+    and nothing is queued."""
+    with pytest.raises(InvalidInputError) as e:
+        llm.generate(
+            [{"prompt_token_ids": [10, 11]}, {"prompt_token_ids": [12, 13]}],
+            SamplingParams(max_tokens=1),
+            priority=[0, 3],
+            use_tqdm=False,
+        )
+    assert e.value.param == "priority" and "scheduling_policy" in str(e.value)
+    assert not llm.llm_engine.has_unfinished_requests()
+    out = llm.generate([{"prompt_token_ids": [10, 11]}], SamplingParams(max_tokens=1), priority=[0])
+    assert len(out[0].outputs[0].token_ids) == 1

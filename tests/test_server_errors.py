@@ -86,6 +86,8 @@ CASES = [
     comp("top-p-zero", {"prompt": "x", "top_p": 0}, param="top_p"),
     comp("top-k-huge", {"prompt": "x", "top_k": 2**40}, param="top_k"),
     comp("seed-huge", {"prompt": "x", "seed": 2**70}, param="seed"),
+    comp("priority-under-fcfs", {"prompt": "x", "priority": 5}, param="priority"),
+    chat("priority-under-fcfs-chat", {"messages": MSG, "priority": -1}, param="priority"),
     comp("unknown-model", {"model": "gpt-9", "prompt": "x"}, 404, "model"),
     chat("unknown-model-chat", {"model": "gpt-9", "messages": MSG}, 404, "model"),
     comp("too-long-prompt", {"prompt": "x" * 200}, param="prompt"),

@@ -208,3 +208,19 @@ def test_chat_template_flag_takes_a_file_or_the_text(tmp_path):
         _load_chat_template(str(tmp_path / "missing.jinja"))
     with pytest.raises(ValueError, match="not a valid Jinja template"):
         _load_chat_template("{% for m in messages %}")
+
+
+def test_legacy_guided_fields_are_read_as_structured_outputs(tokenizer):
+    """vLLM's older `guided_*` extra fields constrain the output as `structured_outputs` does
+    (they were ignored before); given with `structured_outputs` they are a 400."""
+    engine, app = _app(tokenizer)
+    engine.reply = "yes"
+    _post(app, CHAT, {"messages": MSG, "guided_choice": ["yes", "no"]})
+    _post(app, COMP, {"prompt": "x", "guided_regex": "[a-z]+", "guided_whitespace_pattern": ""})
+    got = [params.structured_outputs for _, params in engine.requests]
+    assert [(g.choice, g.regex, g.whitespace_pattern) for g in got] == [
+        (["yes", "no"], None, None),
+        (None, "[a-z]+", ""),
+    ]
+    body = {"messages": MSG, "guided_regex": "a", "structured_outputs": {"regex": "b"}}
+    assert "not both" in _error(_post(app, CHAT, body))["message"]

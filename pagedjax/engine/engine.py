@@ -35,6 +35,7 @@ from pagedjax.engine.request import Request, RequestStatus
 from pagedjax.engine.scheduler import Scheduler
 from pagedjax.engine.spec_decode import Speculator
 from pagedjax.engine_args import EngineArgs
+from pagedjax.errors import InvalidInputError
 from pagedjax.executor.model_loading import load_model
 from pagedjax.executor.model_runner import ModelRunner
 from pagedjax.inputs import PromptType
@@ -208,7 +209,8 @@ class LLMEngine:
 
         Raises:
             InvalidInputError (a ValueError naming the field as `param`): empty or too long
-                prompt, token ids outside the vocabulary, an unsupported sampling option.
+                prompt, token ids outside the vocabulary, an unsupported sampling option, a
+                non-zero priority without scheduling_policy="priority".
             ValueError: a duplicate id, or a prompt that could never fit the KV cache.
             Nothing is queued then, and other requests are unaffected.
         """
@@ -230,11 +232,20 @@ class LLMEngine:
         engine's thread, see `AsyncLLM`). `inp.params` are the request's parameters.
 
         Raises:
+            InvalidInputError: a non-zero priority while scheduling_policy is not "priority"
+                (vLLM refuses it too: it would be ignored).
             ValueError: a duplicate id, or a prompt that could never fit the KV cache; nothing
                 is queued then.
         """
         if request_id in self.output_processor.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
+        policy = self.config.scheduler_config.scheduling_policy
+        if priority != 0 and policy != "priority":
+            raise InvalidInputError(
+                f"priority {priority} needs scheduling_policy='priority' (the engine runs "
+                f"{policy!r})",
+                "priority",
+            )
         params = inp.params
         arrival = time.time() if arrival_time is None else arrival_time
         requests: list[Request] = []

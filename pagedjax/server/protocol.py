@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from pagedjax.errors import InvalidInputError
 from pagedjax.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
@@ -69,6 +69,16 @@ NonNegInt = Annotated[int, Field(ge=0, le=_INT64[1])]
 TokenIds = Annotated[list[NonNegInt], Field(max_length=1_000_000)]
 
 
+# vLLM's older names of the structured_outputs keys (extra body fields before 0.11).
+LEGACY_GUIDED_FIELDS = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+    "guided_whitespace_pattern": "whitespace_pattern",
+}
+
+
 class SamplingRequest(OpenAIBaseModel):
     """Fields shared by completions and chat completions."""
 
@@ -104,6 +114,24 @@ class SamplingRequest(OpenAIBaseModel):
     # constrained output: OpenAI's response_format, vLLM's structured_outputs
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _legacy_guided_fields(cls, data: Any) -> Any:
+        """vLLM's older extra fields `guided_json`, `guided_regex`, `guided_choice`,
+        `guided_grammar` and `guided_whitespace_pattern` (replaced by `structured_outputs`)
+        are read as the `structured_outputs` they stand for; with `structured_outputs` too,
+        a 400."""
+        if not isinstance(data, dict) or not any(k in data for k in LEGACY_GUIDED_FIELDS):
+            return data
+        if data.get("structured_outputs") is not None:
+            raise ValueError("give structured_outputs or the older guided_* fields, not both")
+        data = dict(data)
+        legacy = {
+            LEGACY_GUIDED_FIELDS[k]: data.pop(k) for k in list(data) if k in LEGACY_GUIDED_FIELDS
+        }
+        data["structured_outputs"] = {k: v for k, v in legacy.items() if v is not None} or None
+        return data
 
     def constraint(self) -> tuple[StructuredOutputsParams | None, str | None]:
         """The output constraint and the field it came from (see
