@@ -156,10 +156,18 @@ class SamplingParams:
             self.seed = None
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.stop = _as_list(self.stop, "stop", "a string or a list of strings", str)
+        self.stop_token_ids = _as_list(
+            self.stop_token_ids, "stop_token_ids", "a list of token ids >= 0", int
+        )
         if self.logit_bias is not None:
-            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            try:
+                self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            except (AttributeError, TypeError, ValueError):
+                raise InvalidInputError(
+                    f"logit_bias must map token ids to floats, got {self.logit_bias!r}",
+                    param="logit_bias",
+                ) from None
         self._verify()
 
     def _verify(self) -> None:
@@ -261,3 +269,20 @@ class BeamSearchParams:
             raise InvalidInputError(
                 f"temperature must be >= 0, got {self.temperature!r}", param="temperature"
             )
+
+
+def _as_list(value: Any, field: str, rule: str, kind: type) -> list:
+    """`value` (None: empty) as a list of `kind`.
+
+    Raises:
+        InvalidInputError (param `field`): not a list, tuple or other sequence of `kind`
+            (a bool is no int here).
+    """
+    if value is None:
+        return []
+    if isinstance(value, (str, bytes, dict)) or not hasattr(value, "__iter__"):
+        raise InvalidInputError(f"{field} must be {rule}, got {value!r}", param=field)
+    items = list(value)
+    if any(not isinstance(v, kind) or isinstance(v, bool) for v in items):
+        raise InvalidInputError(f"{field} must be {rule}, got {value!r}", param=field)
+    return items

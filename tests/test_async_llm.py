@@ -227,6 +227,12 @@ def test_sampling_params_errors_name_their_field():
         ({"stop": [""]}, "stop"),
         ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
         ({"allowed_token_ids": []}, "allowed_token_ids"),
+        # wrong types: a ValueError naming the field, not a TypeError
+        ({"stop": 5}, "stop"),
+        ({"stop": [1, 2]}, "stop"),
+        ({"stop_token_ids": 7}, "stop_token_ids"),
+        ({"stop_token_ids": [True]}, "stop_token_ids"),
+        ({"logit_bias": 3}, "logit_bias"),
     ):
         with pytest.raises(InvalidInputError) as info:
             SamplingParams(**kw)
