@@ -83,6 +83,12 @@ def _add_log_level(p: argparse.ArgumentParser, default) -> None:
     p.add_argument("--log-level", default=default, help="pagedjax's log level (default: INFO).")
 
 
+def _version() -> str:
+    import pagedjax
+
+    return pagedjax.__version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="pagedjax",
@@ -91,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_log_level(parser, "INFO")
+    parser.add_argument("--version", action="version", version=f"pagedjax {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_SubParser)
     serve = sub.add_parser("serve", help="Serve the OpenAI-compatible HTTP API.")
     _add_serve_args(serve)

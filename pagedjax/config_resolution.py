@@ -81,6 +81,12 @@ def resolve_engine_config(args) -> EngineConfig:
 
     if args.dtype not in DTYPES:
         raise _bad("dtype", f"one of {DTYPES}", args.dtype)
+    if args.tokenizer_mode not in ("auto", "hf"):
+        raise _bad(
+            "tokenizer_mode",
+            "'auto' or 'hf' (the checkpoint's fast tokenizer)",
+            args.tokenizer_mode,
+        )
     if args.attention_backend not in ATTENTION_BACKENDS:
         raise _bad("attention_backend", f"one of {ATTENTION_BACKENDS}", args.attention_backend)
     if args.linear_backend not in LINEAR_BACKENDS:

@@ -46,6 +46,17 @@ class EngineArgs:
     skip_tokenizer_init: bool = _field(
         False, "Load no tokenizer: prompts must be token ids and outputs carry no text."
     )
+    tokenizer_mode: str = _field(
+        "auto",
+        "Tokenizer kind: the checkpoint's fast (Rust) tokenizer either way (vLLM's 'slow' and "
+        "'mistral' modes are not offered).",
+        choices=("auto", "hf"),
+    )
+    trust_remote_code: bool = _field(
+        False,
+        "Accepted for vLLM compatibility and has no effect: pagedjax runs its own model code "
+        "for the architectures it knows, never Python files shipped with a checkpoint.",
+    )
     served_model_name: str | None = _field(None, "Model name reported by the server.")
     dtype: str = _field("auto", "Weights and activations dtype.", choices=DTYPES)
     seed: int = _field(0, "Engine seed; requests without a seed draw one from it.")

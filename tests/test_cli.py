@@ -49,6 +49,24 @@ def test_unknown_flag_under_generate_with_value_suggests(capsys):
     assert "did you mean --max-tokens?" in err
 
 
+def test_a_port_out_of_range_is_a_usage_error(capsys):
+    code, _, err = _run_main(capsys, ["serve", "--port", "99999"])
+    assert code == 2
+    assert err.startswith("usage: pagedjax serve")
+    assert "argument --port: must be in 0-65535, got 99999" in err
+
+
+def test_vllm_flags_that_change_nothing_here_are_accepted():
+    """Copied vLLM command lines keep working: --trust-remote-code (pagedjax never runs a
+    checkpoint's code), --disable-log-requests (no request is logged), --tokenizer-mode auto."""
+    ns = cli.build_parser().parse_args(
+        ["serve", "--trust-remote-code", "--disable-log-requests", "--tokenizer-mode", "auto"]
+    )
+    assert ns.trust_remote_code and ns.disable_log_requests and ns.tokenizer_mode == "auto"
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["serve", "--tokenizer-mode", "slow"])
+
+
 def test_log_level_is_accepted_after_the_subcommand():
     ns = cli.build_parser().parse_args(["serve", "--log-level", "DEBUG"])
     assert ns.log_level == "DEBUG"

@@ -14,6 +14,17 @@ import socket
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 
 
+def _port(text: str) -> int:
+    """--port's type: an int in [0, 65535] (argparse reports anything else as a usage error)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in 0-65535, got {port}")
+    return port
+
+
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     """The server's own flags (vLLM's names); engine flags come from EngineArgs."""
     parser.add_argument("model_tag", nargs="?", default=None, help="Model (same as --model).")
@@ -21,7 +32,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--host", default="127.0.0.1", help="Address to listen on (0.0.0.0: all interfaces)."
     )
-    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--port", type=_port, default=8000, help="TCP port (0-65535; 0: any free one).")
     g.add_argument("--api-key", default=None, help="Require this key (Bearer) on /v1/*.")
     g.add_argument("--chat-template", default=None, help="A chat template file or string.")
     g.add_argument(
@@ -48,6 +59,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=16 * 1024 * 1024,
         help="Larger request bodies are refused with 413 before they are parsed (default: 16 MiB).",
+    )
+    g.add_argument(
+        "--disable-log-requests",
+        action="store_true",
+        help="Accepted for vLLM compatibility: this server does not log requests.",
     )
     g.add_argument("--uvicorn-log-level", default="info")
     g.add_argument("--disable-uvicorn-access-log", action="store_true")
