@@ -453,3 +453,23 @@ def test_fuzz_finds_no_5xx(server, schema, label, mode):
     assert m["vllm:num_requests_running"] == 0
     assert m["pagedjax:kv_cache_free_blocks"] == num_blocks(server.url)
     assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_a_prompt_over_max_model_len_is_refused_in_the_same_words_by_both_endpoints(server):
+    """With or without max_tokens, on /v1/completions and on the chat endpoint, the refusal
+    is OpenAI's "maximum context length" message naming the prompt's field (chat without
+    max_tokens said "prompt has N tokens, more than max_model_len" before)."""
+    long_text = "Hi " * 200  # over max_model_len (128) in either form
+    bodies = [
+        (C, {"prompt": long_text}, "prompt"),
+        (C, {"prompt": long_text, "max_tokens": 4}, "prompt"),
+        (CHAT, {"messages": [{"role": "user", "content": long_text}]}, "messages"),
+        (CHAT, {"messages": [{"role": "user", "content": long_text}], "max_tokens": 4}, "messages"),
+    ]
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        for path, body, param in bodies:
+            r = http.post(path, json={"model": "tiny", **body}, headers=AUTH)
+            _assert_openai_error(r, 400, param)
+            msg = r.json()["error"]["message"]
+            assert msg.startswith("This model's maximum context length is 128 tokens."), msg
+            assert "input tokens" in msg, msg

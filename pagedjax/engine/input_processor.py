@@ -141,7 +141,12 @@ class InputProcessor:
     def _check_prompt_len(self, n: int, check_max_tokens: bool) -> None:
         m = self.model_config.max_model_len
         if n > m and not check_max_tokens:
-            raise InvalidInputError(f"prompt has {n} tokens, more than max_model_len={m}", "prompt")
+            raise InvalidInputError(
+                f"This model's maximum context length is {m} tokens. However, your request "
+                f"has {n} input tokens, more than max_model_len. Please reduce the length of "
+                "the prompt.",
+                "prompt",
+            )
         if check_max_tokens and n >= m:
             raise InvalidInputError(
                 f"This model's maximum context length is {m} tokens. However, your request "
