@@ -49,7 +49,9 @@ class ModelConfig:
         source_kind, source_path: what it resolved to ("hf", "gguf" or "orbax"; a path).
         tokenizer: a separate tokenizer path, or None for the model's.
         skip_tokenizer_init: no tokenizer (token-id prompts only, no output text).
-        served_model_name: the name the server reports.
+        served_model_name: the name the server reports when a request names none.
+        served_model_names: every name the server answers to (the first is
+            served_model_name; vLLM's `--served-model-name a b`).
         dtype: "float32" | "bfloat16" | "float16".
         seed: the engine seed (requests without their own seed draw one from it).
         max_model_len: prompt + output tokens at most.
@@ -95,6 +97,7 @@ class ModelConfig:
     batch_invariant: bool = True
     gguf_activations: str = "float32"
     enforce_eager: bool = False
+    served_model_names: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

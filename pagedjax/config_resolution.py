@@ -64,6 +64,20 @@ def _graph_sizes(value) -> tuple[int, ...] | None:
         raise _bad("cuda_graph_sizes", "integers (e.g. '1,4,16')", value) from None
 
 
+def _served_names(value) -> tuple[str, ...]:
+    """`served_model_name` as given (None, a name, or a list of names) -> the names in
+    order, duplicates dropped (empty: use the default name).
+
+    Raises:
+        ValueError: naming the field, for an empty name or one that is not a string.
+    """
+    items = [value] if isinstance(value, str) else list(value or ())
+    for v in items:
+        if not isinstance(v, str) or not v.strip():
+            raise _bad("served_model_name", "non-empty strings", value)
+    return tuple(dict.fromkeys(items))
+
+
 def resolve_engine_config(args) -> EngineConfig:
     """Validates engine arguments (an `engine_args.EngineArgs`) and resolves defaults against
     the checkpoint and device.
@@ -156,8 +170,8 @@ def resolve_engine_config(args) -> EngineConfig:
     )
     max_tokens = args.max_num_batched_tokens or default_tokens
     max_seqs = args.max_num_seqs or min(DEFAULT_MAX_NUM_SEQS, max_tokens)
-    name = args.served_model_name or (
-        loader.DEFAULT_MODEL_NAME if args.model is None else source.name
+    names = _served_names(args.served_model_name) or (
+        loader.DEFAULT_MODEL_NAME if args.model is None else source.name,
     )
     cache_dir = args.compilation_cache_dir
     if cache_dir is None:
@@ -168,7 +182,8 @@ def resolve_engine_config(args) -> EngineConfig:
         source_path=source.path,
         tokenizer=args.tokenizer,
         skip_tokenizer_init=args.skip_tokenizer_init,
-        served_model_name=name,
+        served_model_name=names[0],
+        served_model_names=names,
         dtype=dtype,
         seed=args.seed,
         max_model_len=max_model_len,

@@ -57,7 +57,12 @@ class EngineArgs:
         "Accepted for vLLM compatibility and has no effect: pagedjax runs its own model code "
         "for the architectures it knows, never Python files shipped with a checkpoint.",
     )
-    served_model_name: str | None = _field(None, "Model name reported by the server.")
+    served_model_name: str | list[str] | None = _field(
+        None,
+        "Model name(s) the server answers to; the first is reported when a request names none "
+        "(default: the model's folder or file name).",
+        nargs="+",
+    )
     dtype: str = _field("auto", "Weights and activations dtype.", choices=DTYPES)
     seed: int = _field(0, "Engine seed; requests without a seed draw one from it.")
     max_model_len: int | None = _field(
@@ -203,8 +208,9 @@ class EngineArgs:
                 continue
             typ = {"int": int, "float": float}.get(str(f.type).replace(" | None", ""), str)
             kw: dict[str, Any] = {"default": f.default, "help": help_, "type": typ}
-            if "choices" in f.metadata:
-                kw["choices"] = f.metadata["choices"]
+            for key in ("choices", "nargs"):
+                if key in f.metadata:
+                    kw[key] = f.metadata[key]
             parser.add_argument(flag, **kw)
 
     @classmethod

@@ -25,7 +25,8 @@ def free_port() -> int:
 
 
 def tiny_server_args(model_dir, compile_cache_dir: str, **overrides) -> list[str]:
-    """Flags for the tiny test model (the same engine settings as conftest's `make_llm`)."""
+    """Flags for the tiny test model (the same engine settings as conftest's `make_llm`);
+    an override's value may be a list (a flag of several values)."""
     flags = {
         "--dtype": "float32",
         "--max-model-len": "128",
@@ -36,10 +37,10 @@ def tiny_server_args(model_dir, compile_cache_dir: str, **overrides) -> list[str
         "--served-model-name": "tiny",
         "--uvicorn-log-level": "warning",
     }
-    flags.update({k: str(v) for k, v in overrides.items()})
+    flags.update({k: v if isinstance(v, list) else str(v) for k, v in overrides.items()})
     args = [str(model_dir), "--disable-log-stats", "--disable-uvicorn-access-log"]
     for k, v in flags.items():
-        args += [k, v]
+        args += [k, *v] if isinstance(v, list) else [k, v]
     return args
 
 

@@ -319,3 +319,24 @@ def test_reset_prefix_cache_forgets_cached_blocks_only_when_idle(llm16, prompts8
     assert fresh.num_cached_tokens == 0
     assert fresh.outputs[0].token_ids == hf_greedy_cache(prompts8[6], 10)
     _assert_idle_and_whole(llm16)
+
+
+def test_served_model_name_takes_one_name_or_several(tiny_llama_dir):
+    """vLLM's `--served-model-name a b`: every name is served, the first is the default; no
+    name: the folder's; an empty name is a ValueError naming the field."""
+    import argparse
+
+    def names(value):
+        args = EngineArgs(model=str(tiny_llama_dir), served_model_name=value)
+        mc = args.create_engine_config().model_config
+        return mc.served_model_name, mc.served_model_names
+
+    assert names(None) == (tiny_llama_dir.name, (tiny_llama_dir.name,))
+    assert names("a") == ("a", ("a",))
+    assert names(["a", "b", "a"]) == ("a", ("a", "b"))
+    with pytest.raises(ValueError, match="served_model_name must be non-empty strings"):
+        names(["a", ""])
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    ns = parser.parse_args(["--served-model-name", "a", "b"])
+    assert EngineArgs.from_cli_args(ns).served_model_name == ["a", "b"]

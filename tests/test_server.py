@@ -27,7 +27,8 @@ GREEDY = dict(temperature=0.0, max_tokens=12)
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir, compile_cache_dir, tmp_path_factory, request):
     log = tmp_path_factory.mktemp("server") / "server.log"
-    srv = RemoteServer(tiny_server_args(tiny_llama_dir, compile_cache_dir), log_path=log)
+    names = {"--served-model-name": ["tiny", "tiny-alias"]}  # vLLM's several names
+    srv = RemoteServer(tiny_server_args(tiny_llama_dir, compile_cache_dir, **names), log_path=log)
     try:
         request.getfixturevalue("llm")  # built while the server loads
         srv.wait_healthy()
@@ -369,8 +370,10 @@ def test_chat_echo_continues_the_final_assistant_message(server, client, llm):
 
 def test_models_health_version_tokenize(server, client, llm):
     models = client.models.list().data
-    assert [m.id for m in models] == ["tiny"] and models[0].model_extra["max_model_len"] == 128
+    assert [m.id for m in models] == ["tiny", "tiny-alias"]
+    assert models[0].model_extra["max_model_len"] == 128
     assert client.models.retrieve("tiny").id == "tiny"
+    assert client.models.retrieve("tiny-alias").id == "tiny-alias"
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("other")
     assert httpx.get(server.url + "/health").status_code == 200
@@ -540,3 +543,19 @@ def test_sigterm_finishes_in_flight_requests_and_exits_0(server, llm):
     text = "".join(json.loads(c[6:])["choices"][0]["text"] for c in chunks[:-1])
     assert text == ref[0].outputs[0].text  # finished, not cut
     assert server.proc.wait(60) == 0
+
+
+def test_a_response_reports_the_served_name_its_request_used(server, client):
+    """`--served-model-name tiny tiny-alias`: either name is accepted and echoed (vLLM's
+    rule); a request that names no model gets the first; the outputs are the same."""
+    body = {"prompt": [50, 51, 52], "temperature": 0, "max_tokens": 4}
+    alias = client.completions.create(model="tiny-alias", **body)
+    first = client.completions.create(model="tiny", **body)
+    assert (alias.model, first.model) == ("tiny-alias", "tiny")
+    assert alias.choices[0].text == first.choices[0].text
+    chat = client.chat.completions.create(
+        model="tiny-alias", messages=[{"role": "user", "content": "Hi"}], max_tokens=2
+    )
+    assert chat.model == "tiny-alias"
+    unnamed = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()
+    assert unnamed["model"] == "tiny"

@@ -236,7 +236,9 @@ def build_app(
     Raises:
         ValueError: an unknown tool_call_parser, or auto tool choice without one.
     """
-    name = engine.model_config.served_model_name
+    mc = engine.model_config
+    # every served name (a config built by hand may leave served_model_names empty)
+    names = tuple(getattr(mc, "served_model_names", ())) or (mc.served_model_name,)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -247,9 +249,11 @@ def build_app(
     app.add_middleware(_BodyLimitMiddleware, max_bytes=max_request_body_bytes)
     if api_key:  # added last, so it runs first: no body is read without the key
         app.add_middleware(_ApiKeyMiddleware, api_key=api_key)
-    completions = OpenAIServingCompletion(engine, name, chat_template)
-    chat = OpenAIServingChat(engine, name, chat_template, enable_auto_tool_choice, tool_call_parser)
-    base = OpenAIServing(engine, name, chat_template)
+    completions = OpenAIServingCompletion(engine, names, chat_template)
+    chat = OpenAIServingChat(
+        engine, names, chat_template, enable_auto_tool_choice, tool_call_parser
+    )
+    base = OpenAIServing(engine, names, chat_template)
     created = int(time.time())
 
     @app.exception_handler(APIError)
@@ -306,18 +310,19 @@ def build_app(
     async def metrics() -> Response:
         return Response(engine.metrics.render(), media_type=CONTENT_TYPE)
 
-    def card() -> ModelCard:
-        mc = engine.model_config
-        return ModelCard(id=name, created=created, root=mc.model, max_model_len=mc.max_model_len)
+    def card(model_id: str) -> ModelCard:
+        return ModelCard(
+            id=model_id, created=created, root=mc.model, max_model_len=mc.max_model_len
+        )
 
     @app.get("/v1/models", response_model=ModelList)
     async def list_models() -> ModelList:
-        return ModelList(data=[card()])
+        return ModelList(data=[card(n) for n in names])
 
     @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=_ERRORS)
     async def get_model(model_id: str) -> ModelCard:
         base.check_model(model_id)
-        return card()
+        return card(model_id)
 
     @app.post("/v1/completions", responses=_ERRORS)
     async def create_completion(request: CompletionRequest, raw_request: Request):

@@ -64,13 +64,18 @@ class OpenAIServing:
 
     Args:
         engine: the running `AsyncLLM`.
-        served_model_name: the name clients must use (or omit) in `model`.
+        served_model_name: the name clients may use (or omit) in `model`, or several names
+            (the first is reported to a request that names none).
         chat_template: a Jinja chat template to use instead of the tokenizer's, or None.
     """
 
-    def __init__(self, engine: AsyncLLM, served_model_name: str, chat_template: str | None):
+    def __init__(
+        self, engine: AsyncLLM, served_model_name: str | Sequence[str], chat_template: str | None
+    ):
         self.engine = engine
-        self.served_model_name = served_model_name
+        names = (served_model_name,) if isinstance(served_model_name, str) else served_model_name
+        self.served_model_names = tuple(names)
+        self.served_model_name = self.served_model_names[0]
         self.chat_template = chat_template
         self._tools_warned = False  # the "template ignores tools" warning, once per server
         self.tokenizer = engine.get_tokenizer()
@@ -85,9 +90,13 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------- checks
 
+    def model_name(self, model: str | None) -> str:
+        """The name a response reports: the one the request used, else the first served."""
+        return model if model in self.served_model_names else self.served_model_name
+
     def check_model(self, model: str | None) -> None:
-        """Raises APIError 404 unless `model` is None or the served model's name."""
-        if model is not None and model != self.served_model_name:
+        """Raises APIError 404 unless `model` is None or one of the served names."""
+        if model is not None and model not in self.served_model_names:
             raise APIError(
                 404,
                 f"The model `{model}` does not exist.",

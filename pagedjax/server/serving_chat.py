@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
@@ -87,7 +87,7 @@ class OpenAIServingChat(OpenAIServing):
     def __init__(
         self,
         engine: AsyncLLM,
-        served_model_name: str,
+        served_model_name: str | Sequence[str],
         chat_template: str | None,
         enable_auto_tool_choice: bool = False,
         tool_call_parser: str | None = None,
@@ -181,7 +181,7 @@ class OpenAIServingChat(OpenAIServing):
         body = ChatCompletionResponse(
             id=request_id,
             created=created,
-            model=self.served_model_name,
+            model=self.model_name(request.model),
             choices=choices,
             usage=UsageInfo(
                 prompt_tokens=len(final.prompt_token_ids),
@@ -252,7 +252,7 @@ class OpenAIServingChat(OpenAIServing):
             body = ChatCompletionChunk(
                 id=request_id,
                 created=created,
-                model=self.served_model_name,
+                model=self.model_name(request.model),
                 choices=choices,
                 usage=usage() if with_usage else None,
                 prompt_logprobs=prompt_logprobs,

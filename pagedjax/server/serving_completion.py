@@ -128,7 +128,7 @@ class OpenAIServingCompletion(OpenAIServing):
         return CompletionResponse(
             id=request_id,
             created=created,
-            model=self.served_model_name,
+            model=self.model_name(request.model),
             choices=sorted(choices, key=lambda c: c.index),
             usage=UsageInfo(
                 prompt_tokens=prompt_tokens,
@@ -209,7 +209,7 @@ class OpenAIServingCompletion(OpenAIServing):
             body = CompletionResponse(
                 id=request_id,
                 created=created,
-                model=self.served_model_name,
+                model=self.model_name(request.model),
                 choices=choices,
                 usage=usage() if with_usage else None,
             )
