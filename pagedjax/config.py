@@ -76,6 +76,9 @@ class ModelConfig:
             is dequantized on load).
         enforce_eager: compile each step bucket at its first step instead of at start-up
             (`executor.step_executables`; vLLM's name: no ahead-of-time graph capture).
+        default_sampling_fields: SamplingParams field -> value from the generation config
+            (`generation_config.default_sampling_fields`): the defaults of requests that
+            leave those fields unset; empty: pagedjax's own defaults.
     """
 
     model: str
@@ -98,6 +101,7 @@ class ModelConfig:
     gguf_activations: str = "float32"
     enforce_eager: bool = False
     served_model_names: tuple[str, ...] = ()
+    default_sampling_fields: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+from pagedjax import generation_config
 from pagedjax.config import (
     ATTENTION_BACKENDS,
     CPU_DEFAULT_MAX_NUM_BATCHED_TOKENS,
@@ -173,6 +174,16 @@ def resolve_engine_config(args) -> EngineConfig:
     names = _served_names(args.served_model_name) or (
         loader.DEFAULT_MODEL_NAME if args.model is None else source.name,
     )
+    sampling_defaults = generation_config.merge_overrides(
+        generation_config.default_sampling_fields(args.generation_config, source.kind, source.path),
+        args.override_generation_config,
+    )
+    if sampling_defaults:
+        logger.info(
+            "default sampling parameters from the generation config: %s "
+            "(generation_config='vllm' ignores them)",
+            sampling_defaults,
+        )
     cache_dir = args.compilation_cache_dir
     if cache_dir is None:
         cache_dir = str(cache_root(args.download_dir) / "xla-cache")
@@ -184,6 +195,7 @@ def resolve_engine_config(args) -> EngineConfig:
         skip_tokenizer_init=args.skip_tokenizer_init,
         served_model_name=names[0],
         served_model_names=names,
+        default_sampling_fields=sampling_defaults,
         dtype=dtype,
         seed=args.seed,
         max_model_len=max_model_len,

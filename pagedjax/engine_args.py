@@ -166,6 +166,16 @@ class EngineArgs:
         "it, and max_num_batched_tokens is always one. Default: 1, 4, then powers of two "
         "from 16. Fewer sizes: fewer compilations, more padding.",
     )
+    generation_config: str = _field(
+        "auto",
+        "Default sampling parameters: 'auto' takes temperature, top_p, top_k, min_p, "
+        "repetition_penalty and max_new_tokens from the checkpoint's generation_config.json "
+        "(vLLM's default), 'vllm' ignores it, a folder reads its generation_config.json.",
+    )
+    override_generation_config: dict | str | None = _field(
+        None,
+        'JSON object over the generation config, in its names: e.g. {"temperature": 0.5}.',
+    )
     max_logprobs: int = _field(20, "Most logprobs / prompt_logprobs a request may ask for.")
     download_dir: str | None = _field(
         None, "Cache folder for model conversions (default ~/.cache/pagedjax)."

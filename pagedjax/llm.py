@@ -41,6 +41,14 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The SamplingParams `generate` and `chat` use when given none: pagedjax's defaults
+        with the fields the checkpoint's generation_config.json sets (temperature, top_p,
+        top_k, min_p, repetition_penalty, max_new_tokens as max_tokens), as vLLM does;
+        `generation_config="vllm"` leaves them out (`pagedjax.generation_config`)."""
+        fields = self.llm_engine.config.model_config.default_sampling_fields
+        return SamplingParams(**fields)
+
     def reset_prefix_cache(self) -> bool:
         """Forgets the prefix cache (vLLM's `LLM.reset_prefix_cache`), e.g. between benchmark
         runs. Only possible while no request holds blocks; returns whether it was done."""
@@ -58,7 +66,8 @@ class LLM:
         Args:
             prompts: one prompt or a list: strings, token-id lists, or
                 {"prompt": str} / {"prompt_token_ids": [...]} dicts.
-            sampling_params: one for all prompts, or one per prompt (default SamplingParams()).
+            sampling_params: one for all prompts, or one per prompt (default:
+                `get_default_sampling_params()`).
             use_tqdm: show a progress bar.
             priority: per-prompt priorities (scheduling_policy="priority").
 
@@ -77,7 +86,8 @@ class LLM:
                 )
             params_list = list(sampling_params)
         else:
-            params_list = [sampling_params or SamplingParams()] * len(prompt_list)
+            params = sampling_params or self.get_default_sampling_params()
+            params_list = [params] * len(prompt_list)
         if priority is not None and len(priority) != len(prompt_list):
             raise ValueError(f"got {len(priority)} priorities for {len(prompt_list)} prompts")
         return self._run(prompt_list, params_list, priority, use_tqdm)

@@ -72,7 +72,12 @@ class StubEngine:
     def __init__(self, tokenizer):
         arch = SimpleNamespace(vocab_size=320)
         self.model_config = SimpleNamespace(
-            served_model_name="stub", max_model_len=4096, model="stub", arch=arch
+            served_model_name="stub",
+            served_model_names=("stub",),
+            default_sampling_fields={},
+            max_model_len=4096,
+            model="stub",
+            arch=arch,
         )
         self.tokenizer = tokenizer
         self.errored = False

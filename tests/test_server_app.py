@@ -15,7 +15,14 @@ from pagedjax.server.api_server import DEFAULT_MAX_REQUEST_BODY_BYTES, build_app
 
 def _stub_engine():
     arch = SimpleNamespace(vocab_size=320)
-    mc = SimpleNamespace(served_model_name="stub", max_model_len=64, model="stub", arch=arch)
+    mc = SimpleNamespace(
+        served_model_name="stub",
+        served_model_names=("stub",),
+        default_sampling_fields={},
+        max_model_len=64,
+        model="stub",
+        arch=arch,
+    )
     return SimpleNamespace(
         model_config=mc, get_tokenizer=lambda: None, errored=False, shutdown=lambda: None
     )

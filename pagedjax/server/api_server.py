@@ -237,8 +237,7 @@ def build_app(
         ValueError: an unknown tool_call_parser, or auto tool choice without one.
     """
     mc = engine.model_config
-    # every served name (a config built by hand may leave served_model_names empty)
-    names = tuple(getattr(mc, "served_model_names", ())) or (mc.served_model_name,)
+    names = mc.served_model_names or (mc.served_model_name,)  # empty in a config built by hand
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):

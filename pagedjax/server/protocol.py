@@ -17,6 +17,8 @@ and, for the extras (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `min_
 from __future__ import annotations
 
 import time
+import types
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
@@ -39,6 +41,7 @@ from pagedjax.server.protocol_tools import (
 MAX_N = 128  # OpenAI's limit on choices per request
 _INT64 = (-(2**63), 2**63 - 1)
 _INT32_MAX = 2**31 - 1
+_NO_DEFAULTS: Mapping[str, Any] = types.MappingProxyType({})  # no generation-config defaults
 
 
 # --------------------------------------------------------------------------- errors
@@ -138,17 +141,22 @@ class SamplingRequest(OpenAIBaseModel):
         `constraints.request_constraint`)."""
         return request_constraint(self.response_format, self.structured_outputs)
 
-    def base_sampling_kwargs(self) -> dict[str, Any]:
+    def base_sampling_kwargs(self, defaults: Mapping[str, Any]) -> dict[str, Any]:
         """The SamplingParams fields common to both endpoints (see `to_sampling_params`)."""
+
+        def pick(name: str, fallback: float) -> Any:
+            value = getattr(self, name)
+            return value if value is not None else defaults.get(name, fallback)
+
         return dict(
             n=self.n,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=0 if self.top_k is None else self.top_k,
-            min_p=0.0 if self.min_p is None else self.min_p,
+            repetition_penalty=pick("repetition_penalty", 1.0),
+            temperature=pick("temperature", 1.0),
+            top_p=pick("top_p", 1.0),
+            top_k=pick("top_k", 0),
+            min_p=pick("min_p", 0.0),
             seed=self.seed,
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,
@@ -210,9 +218,11 @@ class CompletionRequest(SamplingRequest):
     add_special_tokens: bool = True
     return_tokens_as_token_ids: bool = False
 
-    def to_sampling_params(self, default_max_tokens: int | None = None) -> SamplingParams:
-        """The request's SamplingParams; max_tokens is default_max_tokens when not given
-        (None: the engine allows all the room max_model_len leaves).
+    def to_sampling_params(self, defaults: Mapping[str, Any] = _NO_DEFAULTS) -> SamplingParams:
+        """The request's SamplingParams. A field the request leaves unset (null; max_tokens
+        only when given as null) takes its value from `defaults` (the generation config's,
+        `ModelConfig.default_sampling_fields`), else pagedjax's default; max_tokens None
+        lets the engine allow all the room max_model_len leaves.
 
         Raises:
             ValueError: combinations the fields' own ranges cannot express;
@@ -226,11 +236,12 @@ class CompletionRequest(SamplingRequest):
         prompt_logprobs = self.prompt_logprobs
         if prompt_logprobs is None and self.echo and self.logprobs is not None:
             prompt_logprobs = self.logprobs  # echoed prompt tokens carry logprobs too
+        max_tokens = self.max_tokens if self.max_tokens is not None else defaults.get("max_tokens")
         return SamplingParams(
-            max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens,
+            max_tokens=max_tokens,
             logprobs=self.logprobs,
             prompt_logprobs=prompt_logprobs,
-            **self.base_sampling_kwargs(),
+            **self.base_sampling_kwargs(defaults),
         )
 
 
@@ -294,9 +305,10 @@ class ChatCompletionRequest(SamplingRequest):
             self.parallel_tool_calls,
         )
 
-    def to_sampling_params(self, default_max_tokens: int | None = None) -> SamplingParams:
+    def to_sampling_params(self, defaults: Mapping[str, Any] = _NO_DEFAULTS) -> SamplingParams:
         """The request's SamplingParams; max_tokens is max_completion_tokens, else
-        max_tokens, else default_max_tokens (None: all the room max_model_len leaves).
+        max_tokens, else the defaults' (None: all the room max_model_len leaves). Other
+        unset fields take `defaults` as in `CompletionRequest.to_sampling_params`.
 
         Raises:
             ValueError: combinations the fields' own ranges cannot express;
@@ -320,12 +332,12 @@ class ChatCompletionRequest(SamplingRequest):
                 "add_generation_prompt and continue_final_message are exclusive",
                 "continue_final_message",
             )
-        max_tokens = self.max_completion_tokens or self.max_tokens or default_max_tokens
+        max_tokens = self.max_completion_tokens or self.max_tokens or defaults.get("max_tokens")
         return SamplingParams(
             max_tokens=max_tokens,
             logprobs=(self.top_logprobs or 0) if self.logprobs else None,
             prompt_logprobs=self.prompt_logprobs,
-            **self.base_sampling_kwargs(),
+            **self.base_sampling_kwargs(defaults),
         )
 
 

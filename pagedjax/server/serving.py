@@ -81,6 +81,7 @@ class OpenAIServing:
         self.tokenizer = engine.get_tokenizer()
         mc = engine.model_config
         self.max_model_len = mc.max_model_len  # reported by /tokenize and /v1/models
+        self.default_sampling_fields = mc.default_sampling_fields  # for unset request fields
         self.vocab_size = mc.arch.vocab_size
 
     async def off_loop(self, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:

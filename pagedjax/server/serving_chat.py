@@ -129,7 +129,7 @@ class OpenAIServingChat(OpenAIServing):
         self.check_model(request.model)
         self.warn_ignored_fields(request)
         try:
-            params = request.to_sampling_params()  # max_tokens None: all the room left
+            params = request.to_sampling_params(self.default_sampling_fields)
             source = request.constraint()[1]
         except ValueError as e:
             raise bad_input(e) from e
