@@ -25,6 +25,15 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy.")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument(
+        "--stop",
+        action="append",
+        default=None,
+        metavar="TEXT",
+        help="Stop at this text (not included in the output); repeat the flag for several.",
+    )
     g.add_argument("--n", type=int, default=1, help="Samples per prompt.")
     g.add_argument("--ignore-eos", action="store_true")
 
@@ -38,6 +47,9 @@ def _params(ns):
         temperature=ns.temperature,
         top_p=ns.top_p,
         top_k=ns.top_k,
+        min_p=ns.min_p,
+        repetition_penalty=ns.repetition_penalty,
+        stop=ns.stop,
         ignore_eos=ns.ignore_eos,
     )
 
@@ -109,7 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, help="A system prompt.")
     for p in (gen, chat):
         _sampling_args(p)
-        EngineArgs.add_cli_args(p.add_argument_group("engine"))
+        # the served name means nothing without a server
+        EngineArgs.add_cli_args(p.add_argument_group("engine"), skip=("served_model_name",))
     bench = sub.add_parser(
         "bench",
         help="Run a benchmark (a source checkout's benchmarks/; see benchmarks/README.md).",
@@ -205,13 +218,14 @@ def main(argv: list[str] | None = None) -> int:
             outs = llm.generate(prompts, params)
             for out in outs:
                 for o in out.outputs:
-                    print(f"{out.prompt!r} -> {o.text!r} ({o.finish_reason})")
+                    label = f"[{o.index}] " if params.n > 1 else ""
+                    print(f"{label}{out.prompt!r} -> {o.text!r} ({o.finish_reason})")
         else:
             messages = [{"role": "system", "content": ns.system}] if ns.system else []
             messages.append({"role": "user", "content": ns.message})
             out = llm.chat(messages, params, use_tqdm=False)[0]
             for o in out.outputs:
-                print(o.text)
+                print(f"--- sample {o.index} ---\n{o.text}" if params.n > 1 else o.text)
     except ValueError as e:
         print(f"pagedjax: error: {e}", file=sys.stderr)
         return 2

@@ -218,9 +218,10 @@ class EngineArgs:
                 continue
             typ = {"int": int, "float": float}.get(str(f.type).replace(" | None", ""), str)
             kw: dict[str, Any] = {"default": f.default, "help": help_, "type": typ}
-            for key in ("choices", "nargs"):
-                if key in f.metadata:
-                    kw[key] = f.metadata[key]
+            if "nargs" in f.metadata:
+                kw["nargs"] = f.metadata["nargs"]
+            if "choices" in f.metadata:  # None is the flag left out, not a value to type
+                kw["choices"] = [c for c in f.metadata["choices"] if c is not None]
             parser.add_argument(flag, **kw)
 
     @classmethod

@@ -109,3 +109,33 @@ def test_serve_on_a_busy_port_fails_before_loading(tiny_llama_dir, compile_cache
     assert "loaded" not in log and "compiled" not in log, log  # no model was loaded
     assert "serving" not in log, log
     assert elapsed < 15, (elapsed, log)
+
+
+def test_sampling_flags_reach_the_sampling_params():
+    ns = cli.build_parser().parse_args(
+        ["generate", "x", "--stop", "a", "--stop", "b c", "--min-p", "0.1"]
+        + ["--repetition-penalty", "1.2", "--top-k", "5"]
+    )
+    p = cli._params(ns)
+    assert (p.stop, p.min_p, p.repetition_penalty, p.top_k) == (["a", "b c"], 0.1, 1.2, 5)
+    assert cli._params(cli.build_parser().parse_args(["chat", "x"])).stop == []
+
+
+def test_flags_offer_only_what_a_command_can_use(capsys):
+    """No --served-model-name without a server; None is not a value to type."""
+    code, _, err = _run_main(capsys, ["generate", "x", "--served-model-name", "m"])
+    assert code == 2 and "unrecognized arguments: --served-model-name" in err
+    code, _, err = _run_main(capsys, ["serve", "--distributed-executor-backend", "None"])
+    assert code == 2 and "invalid choice: 'None' (choose from 'mp', 'ray')" in err
+
+
+def test_generate_labels_each_of_n_samples(tiny_llama_dir, compile_cache_dir, capsys):
+    engine = ["--model", str(tiny_llama_dir), "--dtype", "float32", "--max-model-len", "128"]
+    engine += ["--max-num-batched-tokens", "64", "--max-num-seqs", "16", "--enforce-eager"]
+    engine += ["--cuda-graph-sizes", "16,32", "--compilation-cache-dir", compile_cache_dir]
+    argv = ["generate", "hello", "--n", "2", "--temperature", "1", "--max-tokens", "3"]
+    code, out, _ = _run_main(capsys, argv + engine + ["--ignore-eos"])
+    lines = [line for line in out.splitlines() if "->" in line]
+    assert code == 0 and len(lines) == 2, out
+    assert lines[0].startswith("[0] 'hello' -> ") and lines[1].startswith("[1] 'hello' -> ")
+    assert all(line.endswith("(length)") for line in lines)
