@@ -96,15 +96,15 @@ class LLMEngine:
         usable_tokens = (num_blocks - 1) * cc.block_size
         logger.info(
             "model %s loaded in %.1f s (%s, quantization %s, %s); KV cache (%s): %d blocks of "
-            "%d tokens (%d tokens, %.2f GiB); maximum concurrency for %d tokens per request: "
-            "%.2fx",
+            "%d tokens and 1 null block (%d tokens, %.2f GiB); maximum concurrency for %d "
+            "tokens per request: %.2fx",
             mc.served_model_name,
             loaded.load_s,
             mc.dtype,
             mc.quantization,
             self.runner.platform,
             self.runner.kv_dtype.name,
-            num_blocks,
+            num_blocks - 1,  # as vllm:cache_config_info's num_gpu_blocks counts them
             cc.block_size,
             usable_tokens,
             num_blocks * self.runner.bytes_per_block() / 2**30,
