@@ -30,6 +30,10 @@ from benchmarks.latency import run_batch
 DTYPES = ("auto", "fp8")
 
 
+# the engine's start-up line: usable blocks, block size, tokens, maximum concurrency
+START_LINE = r"(\d+) blocks of (\d+) tokens(?: and 1 null block)? \((\d+) tokens.*?: ([\d.]+)x"
+
+
 def _ints(s: str) -> list[int]:
     return [int(x) for x in s.split(",") if x]
 
@@ -72,7 +76,7 @@ def main(argv=None) -> dict:
         )
         logging.getLogger("pagedjax").removeHandler(cap)
         line = next((m for m in cap.lines if "maximum concurrency" in m), "")
-        got = re.search(r"(\d+) blocks of (\d+) tokens \((\d+) tokens.*?: ([\d.]+)x", line)
+        got = re.search(START_LINE, line)
         logs[dtype] = {
             "log_line": line,
             "num_blocks": int(got.group(1)) if got else None,
