@@ -116,6 +116,13 @@ def resolve_engine_config(args) -> EngineConfig:
         raise _bad("max_logprobs", ">= 0", args.max_logprobs)
     if args.max_model_len is not None and args.max_model_len < 1:
         raise _bad("max_model_len", ">= 1", args.max_model_len)
+    for field in ("revision", "tokenizer_revision"):
+        if getattr(args, field) is not None:
+            logger.warning(
+                "%s=%r is ignored: models load from local paths, which have no revisions",
+                field,
+                getattr(args, field),
+            )
     source = loader.resolve_model_source(args.model)
     quantization = quant_loader.resolve_quantization(args.quantization, source)
     arch = loader.load_arch_config(source)

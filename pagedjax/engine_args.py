@@ -52,6 +52,12 @@ class EngineArgs:
         "'mistral' modes are not offered).",
         choices=("auto", "hf"),
     )
+    revision: str | None = _field(
+        None,
+        "Accepted for vLLM compatibility: a hub revision; models load from local paths, which "
+        "have none, so a value is ignored with a warning.",
+    )
+    tokenizer_revision: str | None = _field(None, "As revision, for the tokenizer.")
     trust_remote_code: bool = _field(
         False,
         "Accepted for vLLM compatibility and has no effect: pagedjax runs its own model code "

@@ -58,11 +58,14 @@ def test_a_port_out_of_range_is_a_usage_error(capsys):
 
 def test_vllm_flags_that_change_nothing_here_are_accepted():
     """Copied vLLM command lines keep working: --trust-remote-code (pagedjax never runs a
-    checkpoint's code), --disable-log-requests (no request is logged), --tokenizer-mode auto."""
+    checkpoint's code), --disable-log-requests (no request is logged), --tokenizer-mode auto,
+    --revision (local paths have none: ignored with a warning)."""
     ns = cli.build_parser().parse_args(
         ["serve", "--trust-remote-code", "--disable-log-requests", "--tokenizer-mode", "auto"]
+        + ["--revision", "main"]
     )
     assert ns.trust_remote_code and ns.disable_log_requests and ns.tokenizer_mode == "auto"
+    assert ns.revision == "main"
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["serve", "--tokenizer-mode", "slow"])
 
