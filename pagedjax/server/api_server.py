@@ -48,11 +48,13 @@ from pagedjax.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    TokenizeRequest,
+)
+from pagedjax.server.protocol_responses import (
     DetokenizeResponse,
     ErrorResponse,
     ModelCard,
     ModelList,
-    TokenizeRequest,
     TokenizeResponse,
 )
 from pagedjax.server.serving import OpenAIServing

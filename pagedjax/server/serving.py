@@ -32,10 +32,12 @@ from pagedjax.sampling_params import SamplingParams
 from pagedjax.server.chat_rendering import render_chat, template_reads_tools
 from pagedjax.server.protocol import (
     ChatMessage,
-    PromptLogprob,
-    PromptLogprobs,
     SamplingRequest,
     TokenizeRequest,
+)
+from pagedjax.server.protocol_responses import (
+    PromptLogprob,
+    PromptLogprobs,
     TokenizeResponse,
 )
 from pagedjax.server.serving_errors import APIError, bad_input, bad_request

@@ -37,10 +37,12 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pagedjax.engine.async_llm import AsyncLLM, EngineError, RequestStream
 from pagedjax.outputs import CompletionOutput
 from pagedjax.server.protocol import (
+    ChatCompletionRequest,
+)
+from pagedjax.server.protocol_responses import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogprobs,
     ChatResponseMessage,

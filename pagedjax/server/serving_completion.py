@@ -20,9 +20,11 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pagedjax.engine.async_llm import EngineError, RequestStream
 from pagedjax.outputs import CompletionOutput, RequestOutput
 from pagedjax.server.protocol import (
+    CompletionRequest,
+)
+from pagedjax.server.protocol_responses import (
     CompletionChoice,
     CompletionLogprobs,
-    CompletionRequest,
     CompletionResponse,
     UsageInfo,
 )

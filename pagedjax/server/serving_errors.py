@@ -10,7 +10,10 @@ from collections.abc import Iterable
 
 from pagedjax.errors import InvalidInputError
 from pagedjax.outputs import RequestOutput
-from pagedjax.server.protocol import ErrorInfo, ErrorResponse
+from pagedjax.server.protocol_responses import (
+    ErrorInfo,
+    ErrorResponse,
+)
 
 
 class APIError(Exception):
