@@ -17,11 +17,8 @@ converted folder carries no generation config: their defaults are pagedjax's.
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 from typing import Any
-
-logger = logging.getLogger(__name__)
 
 FILE_NAME = "generation_config.json"
 # Hugging Face's field -> SamplingParams' field, with the type it must have
@@ -63,7 +60,7 @@ def default_sampling_fields(
     Args:
         generation_config: "auto" (the checkpoint's own file, when it is a Hugging Face
             folder that has one), "vllm" (none: pagedjax's defaults), or a folder holding a
-            `generation_config.json`.
+            `generation_config.json` (or the file's own path).
         source_kind, source_path: the resolved model source ("hf" | "gguf" | "orbax").
 
     Returns:
