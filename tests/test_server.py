@@ -388,6 +388,22 @@ def test_models_health_version_tokenize(server, client, llm):
     assert back["prompt"] == "<|user|>Hi</s><|assistant|>"
 
 
+def test_a_response_reports_the_served_name_its_request_used(server, client):
+    """`--served-model-name tiny tiny-alias`: either name is accepted and echoed (vLLM's
+    rule); a request that names no model gets the first; the outputs are the same."""
+    body = {"prompt": [50, 51, 52], "temperature": 0, "max_tokens": 4}
+    alias = client.completions.create(model="tiny-alias", **body)
+    first = client.completions.create(model="tiny", **body)
+    assert (alias.model, first.model) == ("tiny-alias", "tiny")
+    assert alias.choices[0].text == first.choices[0].text
+    chat = client.chat.completions.create(
+        model="tiny-alias", messages=[{"role": "user", "content": "Hi"}], max_tokens=2
+    )
+    assert chat.model == "tiny-alias"
+    unnamed = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()
+    assert unnamed["model"] == "tiny"
+
+
 def test_metrics_count_one_request_exactly(server, client, llm):
     before = wait_idle(server.url)
     ids = [50, 51, 52, 53, 54, 55, 56]
@@ -543,19 +559,3 @@ def test_sigterm_finishes_in_flight_requests_and_exits_0(server, llm):
     text = "".join(json.loads(c[6:])["choices"][0]["text"] for c in chunks[:-1])
     assert text == ref[0].outputs[0].text  # finished, not cut
     assert server.proc.wait(60) == 0
-
-
-def test_a_response_reports_the_served_name_its_request_used(server, client):
-    """`--served-model-name tiny tiny-alias`: either name is accepted and echoed (vLLM's
-    rule); a request that names no model gets the first; the outputs are the same."""
-    body = {"prompt": [50, 51, 52], "temperature": 0, "max_tokens": 4}
-    alias = client.completions.create(model="tiny-alias", **body)
-    first = client.completions.create(model="tiny", **body)
-    assert (alias.model, first.model) == ("tiny-alias", "tiny")
-    assert alias.choices[0].text == first.choices[0].text
-    chat = client.chat.completions.create(
-        model="tiny-alias", messages=[{"role": "user", "content": "Hi"}], max_tokens=2
-    )
-    assert chat.model == "tiny-alias"
-    unnamed = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()
-    assert unnamed["model"] == "tiny"

@@ -143,8 +143,8 @@ class InputProcessor:
         if n > m and not check_max_tokens:
             raise InvalidInputError(
                 f"This model's maximum context length is {m} tokens. However, your request "
-                f"has {n} input tokens, more than max_model_len. Please reduce the length of "
-                "the prompt.",
+                f"has {n} input tokens (max_model_len={m}). Please reduce the length of the "
+                "prompt.",
                 "prompt",
             )
         if check_max_tokens and n >= m:
