@@ -84,6 +84,7 @@ def run_pagedjax(reqs: list[dict], ns, **engine_kwargs) -> dict:
         # only when set, so that this script also drives older checkouts (A/B runs)
         **({"kv_cache_dtype": ns.kv_cache_dtype} if ns.kv_cache_dtype != "auto" else {}),
         **({"cpu_kernel_isa": ns.cpu_kernel_isa} if ns.cpu_kernel_isa != "auto" else {}),
+        **({"block_size": ns.block_size} if ns.block_size is not None else {}),
         **({} if ns.batch_invariant else {"batch_invariant": False}),
         speculative_config=ns.speculative_config,
     )
@@ -274,6 +275,7 @@ def main(argv=None) -> None:
     )
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--kv-cache-dtype", default="auto", help="pagedjax: auto | fp8 | fp8_e5m2")
+    p.add_argument("--block-size", type=int, default=None, help="pagedjax: tokens per KV block")
     p.add_argument(
         "--cpu-kernel-isa", default="auto", help="pagedjax: auto | avx512 | avx2 | portable"
     )
