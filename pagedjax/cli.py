@@ -18,15 +18,30 @@ import sys
 
 from pagedjax.engine_args import EngineArgs
 
+# The sampling flags' defaults when neither the flag nor the model's generation config sets
+# them (`LLM.get_default_sampling_params`): greedy, 64 tokens.
+CLI_SAMPLING_DEFAULTS = {
+    "max_tokens": 64,
+    "temperature": 0.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+}
+
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=64, help="Output tokens at most.")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy.")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g = p.add_argument_group(
+        "sampling",
+        "Unset flags take the model's generation_config.json defaults (see "
+        "--generation-config), else greedy decoding of 64 tokens.",
+    )
+    g.add_argument("--max-tokens", type=int, default=None, help="Output tokens at most (64).")
+    g.add_argument("--temperature", type=float, default=None, help="0 is greedy (0).")
+    g.add_argument("--top-p", type=float, default=None, help="(1.0)")
+    g.add_argument("--top-k", type=int, default=None, help="0: off (0)")
+    g.add_argument("--min-p", type=float, default=None, help="(0.0)")
+    g.add_argument("--repetition-penalty", type=float, default=None, help="(1.0)")
     g.add_argument(
         "--stop",
         action="append",
@@ -38,20 +53,14 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ignore-eos", action="store_true")
 
 
-def _params(ns):
+def _params(ns, model_defaults: dict | None = None):
+    """The SamplingParams of `generate` / `chat`: each flag as given, else the model's
+    generation-config default (`model_defaults`), else `CLI_SAMPLING_DEFAULTS`."""
     from pagedjax.sampling_params import SamplingParams
 
-    return SamplingParams(
-        n=ns.n,
-        max_tokens=ns.max_tokens,
-        temperature=ns.temperature,
-        top_p=ns.top_p,
-        top_k=ns.top_k,
-        min_p=ns.min_p,
-        repetition_penalty=ns.repetition_penalty,
-        stop=ns.stop,
-        ignore_eos=ns.ignore_eos,
-    )
+    fields = {**CLI_SAMPLING_DEFAULTS, **(model_defaults or {})}
+    fields.update({k: getattr(ns, k) for k in CLI_SAMPLING_DEFAULTS if getattr(ns, k) is not None})
+    return SamplingParams(n=ns.n, stop=ns.stop, ignore_eos=ns.ignore_eos, **fields)
 
 
 DESCRIPTION = """Serve the OpenAI-compatible API, or generate text / answer one chat turn with
@@ -204,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = EngineArgs.from_cli_args(ns)
     try:
-        params = _params(ns)
+        _params(ns)  # a bad flag is refused before the model loads
         if ns.command == "generate":
             prompts = list(ns.prompts)
             if ns.prompt_file:
@@ -214,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
                 print("pagedjax generate: give prompts or --prompt-file", file=sys.stderr)
                 return 2
         llm = LLM(**vars(args))
+        params = _params(ns, llm.llm_engine.config.model_config.default_sampling_fields)
         if ns.command == "generate":
             outs = llm.generate(prompts, params)
             for out in outs:

@@ -87,6 +87,22 @@ def default_sampling_fields(
     return _from_file(path)
 
 
+def check_defaults(defaults: dict[str, Any], source: str) -> None:
+    """Refuses, at start-up, defaults that every request using them would be refused for
+    (a top_p of 7, a max_new_tokens of -1, ...).
+
+    Raises:
+        ValueError: naming `source` (generation_config or override_generation_config) and
+            the field, with SamplingParams' own rule.
+    """
+    from pagedjax.sampling_params import SamplingParams
+
+    try:
+        SamplingParams(**defaults)
+    except ValueError as e:
+        raise ValueError(f"{source}: invalid default sampling parameter: {e}") from None
+
+
 def merge_overrides(defaults: dict[str, Any], overrides: dict[str, Any] | str | None):
     """`defaults` updated with `override_generation_config` (a dict, or a JSON object as
     given on the command line) in Hugging Face's names, as vLLM's flag takes them.

@@ -124,6 +124,19 @@ def test_sampling_flags_reach_the_sampling_params():
     assert cli._params(cli.build_parser().parse_args(["chat", "x"])).stop == []
 
 
+def test_unset_sampling_flags_take_the_generation_config_then_greedy_64():
+    """A flag given wins; an unset one takes the model's generation-config default; else
+    greedy decoding of 64 tokens (the config's max_new_tokens was ignored before)."""
+    config = {"temperature": 0.6, "max_tokens": 7}
+    plain = cli._params(cli.build_parser().parse_args(["generate", "x"]), config)
+    assert (plain.temperature, plain.max_tokens, plain.top_p) == (0.6, 7, 1.0)
+    flags = cli.build_parser().parse_args(["generate", "x", "--temperature", "0", "--top-k", "3"])
+    given = cli._params(flags, config)
+    assert (given.temperature, given.max_tokens, given.top_k) == (0.0, 7, 3)
+    bare = cli._params(cli.build_parser().parse_args(["chat", "x"]))
+    assert (bare.temperature, bare.max_tokens) == (0.0, 64)
+
+
 def test_flags_offer_only_what_a_command_can_use(capsys):
     """No --served-model-name without a server; None is not a value to type."""
     code, _, err = _run_main(capsys, ["generate", "x", "--served-model-name", "m"])

@@ -75,6 +75,11 @@ def test_engine_config_carries_the_defaults_unless_told_otherwise(creator_dir):
     assert fields() == {**EXPECTED, "max_tokens": 7}
     assert fields(generation_config="vllm") == {}
     assert fields(override_generation_config={"top_k": 5})["top_k"] == 5
+    # a default every request would be refused for is refused at start-up (it was accepted)
+    with pytest.raises(ValueError, match="override_generation_config: invalid .* top_p"):
+        fields(override_generation_config={"top_p": 7})
+    with pytest.raises(ValueError, match="override_generation_config: invalid .* max_tokens"):
+        fields(override_generation_config={"max_new_tokens": -1})
 
 
 def test_a_request_field_left_unset_takes_the_default():
