@@ -124,6 +124,8 @@ def resolve_engine_config(args) -> EngineConfig:
                 getattr(args, field),
             )
     source = loader.resolve_model_source(args.model)
+    if source.alias is not None:
+        logger.info("%s: no such local path; the bundled default model is loaded", source.alias)
     quantization = quant_loader.resolve_quantization(args.quantization, source)
     arch = loader.load_arch_config(source)
     pp_partition = stages.parse_layer_partition(args.pp_layer_partition)

@@ -388,7 +388,7 @@ def test_models_health_version_tokenize(server, client, llm):
     assert back["prompt"] == "<|user|>Hi</s><|assistant|>"
 
 
-def test_a_response_reports_the_served_name_its_request_used(server, client):
+def test_a_response_reports_the_served_name_its_request_used(server, client, tiny_llama_dir):
     """`--served-model-name tiny tiny-alias`: either name is accepted and echoed (vLLM's
     rule); a request that names no model gets the first; the outputs are the same."""
     body = {"prompt": [50, 51, 52], "temperature": 0, "max_tokens": 4}
@@ -402,6 +402,12 @@ def test_a_response_reports_the_served_name_its_request_used(server, client):
     assert chat.model == "tiny-alias"
     unnamed = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()
     assert unnamed["model"] == "tiny"
+    # "" is the default as in vLLM, and the path the server was started with is accepted
+    # (vLLM's default name); both were 404s
+    empty = httpx.post(server.url + "/v1/completions", json={**body, "model": ""}, timeout=60)
+    assert empty.status_code == 200 and empty.json()["model"] == "tiny"
+    path = client.completions.create(model=str(tiny_llama_dir), **body)
+    assert path.model == str(tiny_llama_dir) and path.choices[0].text == first.choices[0].text
 
 
 def test_metrics_count_one_request_exactly(server, client, llm):

@@ -420,7 +420,9 @@ def run_server(ns: argparse.Namespace, sock: socket.socket | None = None) -> int
         access_log=not ns.disable_uvicorn_access_log,
         timeout_graceful_shutdown=ns.shutdown_timeout,
     )
-    name = engine.model_config.served_model_name
+    name = ", ".join(
+        engine.model_config.served_model_names or [engine.model_config.served_model_name]
+    )
     host = f"[{ns.host}]" if ":" in ns.host else ns.host
     port = sock.getsockname()[1]
 

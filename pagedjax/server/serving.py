@@ -78,6 +78,9 @@ class OpenAIServing:
         names = (served_model_name,) if isinstance(served_model_name, str) else served_model_name
         self.served_model_names = tuple(names)
         self.served_model_name = self.served_model_names[0]
+        # also accepted, unlisted: the model as given at start-up (vLLM's default name: a
+        # client may send the path or hub id the server was started with)
+        self._accepted_names = {*self.served_model_names, engine.model_config.model}
         self.chat_template = chat_template
         self._tools_warned = False  # the "template ignores tools" warning, once per server
         self.tokenizer = engine.get_tokenizer()
@@ -95,11 +98,12 @@ class OpenAIServing:
 
     def model_name(self, model: str | None) -> str:
         """The name a response reports: the one the request used, else the first served."""
-        return model if model in self.served_model_names else self.served_model_name
+        return model if model and model in self._accepted_names else self.served_model_name
 
     def check_model(self, model: str | None) -> None:
-        """Raises APIError 404 unless `model` is None or one of the served names."""
-        if model is not None and model not in self.served_model_names:
+        """Raises APIError 404 unless `model` is None or "" (the default, as in vLLM), one of
+        the served names, or the model as given at start-up."""
+        if model and model not in self._accepted_names:
             raise APIError(
                 404,
                 f"The model `{model}` does not exist.",
