@@ -145,7 +145,7 @@ CASES = [
     chat(
         "max-completion-tokens-over",
         {"messages": MSG, "max_completion_tokens": 999},
-        param="max_tokens",
+        param="max_completion_tokens",
     ),
     raw("no-api-key", _j({"prompt": "x"}), 401, headers={"Content-Type": "application/json"}),
     raw("wrong-api-key", _j({"prompt": "x"}), 401, headers={"Authorization": "Bearer nope"}),

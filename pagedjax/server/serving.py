@@ -141,6 +141,7 @@ class OpenAIServing:
         check_max_tokens: bool,
         prompt_param: str = "prompt",
         constraint_param: str | None = None,
+        max_tokens_param: str = "max_tokens",
     ) -> list[RequestStream]:
         """Hands (request id, token-id prompt, SamplingParams) triples to the engine, which
         truncates (truncate_prompt_tokens) and validates them: all are queued, or none.
@@ -151,6 +152,8 @@ class OpenAIServing:
             prompt_param: the request field the engine's "prompt" is ("messages" in chat).
             constraint_param: the request field the output constraint came from (the
                 engine's refusal of a schema, regex or grammar names it).
+            max_tokens_param: the request field the output length came from (chat:
+                "max_completion_tokens" when the client used that name).
 
         Raises:
             APIError 400: the engine refused an input (see `bad_input`).
@@ -160,7 +163,7 @@ class OpenAIServing:
                 requests, priority=priority, check_max_tokens=check_max_tokens
             )
         except ValueError as e:
-            raise bad_input(e, prompt_param, constraint_param) from e
+            raise bad_input(e, prompt_param, constraint_param, max_tokens_param) from e
 
     # ---------------------------------------------------------------- prompts
 

@@ -151,6 +151,11 @@ class OpenAIServingChat(OpenAIServing):
             check_max_tokens=params.max_tokens is not None,
             prompt_param="messages",
             constraint_param=constraint_param,
+            max_tokens_param=(
+                "max_completion_tokens"
+                if request.max_completion_tokens is not None
+                else "max_tokens"
+            ),
         )
         created = int(time.time())
         echo = _echo_text(request)

@@ -39,14 +39,20 @@ def bad_request(message: str, param: str | None = None) -> APIError:
 
 
 def bad_input(
-    e: ValueError, prompt_param: str = "prompt", constraint_param: str | None = None
+    e: ValueError,
+    prompt_param: str = "prompt",
+    constraint_param: str | None = None,
+    max_tokens_param: str = "max_tokens",
 ) -> APIError:
     """The 400 for a refused input: an `InvalidInputError`'s `param` (its "prompt" renamed
-    to `prompt_param`, the endpoint's field, and its "structured_outputs" to
-    `constraint_param`, the field the constraint came from), none for a plain ValueError."""
+    to `prompt_param`, the endpoint's field, its "max_tokens" to `max_tokens_param`, the
+    field the client used, and its "structured_outputs" to `constraint_param`, the field
+    the constraint came from), none for a plain ValueError."""
     param = e.param if isinstance(e, InvalidInputError) else None
     if param == "prompt":
         param = prompt_param
+    elif param == "max_tokens":
+        param = max_tokens_param
     elif param == "structured_outputs" and constraint_param:
         param = constraint_param
     return bad_request(str(e), param)
