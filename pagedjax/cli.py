@@ -226,9 +226,10 @@ def main(argv: list[str] | None = None) -> int:
         params = _params(ns, llm.llm_engine.config.model_config.default_sampling_fields)
         if ns.command == "generate":
             outs = llm.generate(prompts, params)
-            for out in outs:
+            for i, out in enumerate(outs):
                 for o in out.outputs:
-                    label = f"[{o.index}] " if params.n > 1 else ""
+                    # [prompt.sample] with several samples
+                    label = f"[{i}.{o.index}] " if params.n > 1 else ""
                     print(f"{label}{out.prompt!r} -> {o.text!r} ({o.finish_reason})")
         else:
             messages = [{"role": "system", "content": ns.system}] if ns.system else []

@@ -153,5 +153,5 @@ def test_generate_labels_each_of_n_samples(tiny_llama_dir, compile_cache_dir, ca
     code, out, _ = _run_main(capsys, argv + engine + ["--ignore-eos"])
     lines = [line for line in out.splitlines() if "->" in line]
     assert code == 0 and len(lines) == 2, out
-    assert lines[0].startswith("[0] 'hello' -> ") and lines[1].startswith("[1] 'hello' -> ")
+    assert lines[0].startswith("[0.0] 'hello' -> ") and lines[1].startswith("[0.1] 'hello' -> ")
     assert all(line.endswith("(length)") for line in lines)

@@ -274,7 +274,7 @@ class OpenAIServingChat(OpenAIServing):
                     c["delta"]["tool_calls"] = [
                         t.model_dump(exclude_none=True) for t in choice.delta.tool_calls
                     ]
-            return sse(json.dumps(data, ensure_ascii=False))
+            return sse(json.dumps(data, ensure_ascii=False, separators=(",", ":")))
 
         try:
             first_output = True
