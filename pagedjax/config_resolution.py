@@ -183,14 +183,9 @@ def resolve_engine_config(args) -> EngineConfig:
     names = _served_names(args.served_model_name) or (
         loader.DEFAULT_MODEL_NAME if args.model is None else source.name,
     )
-    from_file = generation_config.default_sampling_fields(
-        args.generation_config, source.kind, source.path
+    sampling_defaults = generation_config.default_sampling_fields(
+        args.generation_config, source.kind, source.path, args.override_generation_config
     )
-    generation_config.check_defaults(from_file, "generation_config")
-    sampling_defaults = generation_config.merge_overrides(
-        from_file, args.override_generation_config
-    )
-    generation_config.check_defaults(sampling_defaults, "override_generation_config")
     if sampling_defaults:
         logger.info(
             "default sampling parameters from the generation config: %s "

@@ -32,6 +32,23 @@ FIELDS: dict[str, tuple[str, type]] = {
 }
 
 
+def _field(hf_name: str, value: Any, where: str) -> tuple[str, Any]:
+    """One Hugging Face field -> (SamplingParams name, value of its type).
+
+    Raises:
+        ValueError: naming `where` and the field: an unknown field, a value that is not a
+            number, or an integer field with a fraction.
+    """
+    if hf_name not in FIELDS:
+        raise ValueError(f"{where}: unknown field {hf_name!r} (one of {sorted(FIELDS)})")
+    name, typ = FIELDS[hf_name]
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{where}: {hf_name} is not a number: {value!r}")
+    if typ is int and value != int(value):
+        raise ValueError(f"{where}: {hf_name} is not an integer: {value!r}")
+    return name, typ(value)
+
+
 def _from_file(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text())
@@ -39,37 +56,12 @@ def _from_file(path: Path) -> dict[str, Any]:
         raise ValueError(f"generation_config: cannot read {path}: {e}") from None
     if not isinstance(data, dict):
         raise ValueError(f"generation_config: {path} does not hold a JSON object")
-    out: dict[str, Any] = {}
-    for hf_name, (name, typ) in FIELDS.items():
-        value = data.get(hf_name)
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ValueError(f"generation_config: {path}'s {hf_name} is not a number: {value!r}")
-        if typ is int and value != int(value):
-            raise ValueError(f"generation_config: {path}'s {hf_name} is not an integer: {value!r}")
-        out[name] = typ(value)
-    return out
+    where = f"generation_config: {path}'s"
+    return dict(_field(k, data[k], where) for k in FIELDS if data.get(k) is not None)
 
 
-def default_sampling_fields(
-    generation_config: str, source_kind: str, source_path: str
-) -> dict[str, Any]:
-    """The sampling defaults (SamplingParams field -> value) that `generation_config` selects.
-
-    Args:
-        generation_config: "auto" (the checkpoint's own file, when it is a Hugging Face
-            folder that has one), "vllm" (none: pagedjax's defaults), or a folder holding a
-            `generation_config.json` (or the file's own path).
-        source_kind, source_path: the resolved model source ("hf" | "gguf" | "orbax").
-
-    Returns:
-        e.g. {"temperature": 0.6, "top_p": 0.9, "max_tokens": 512}; empty for none.
-
-    Raises:
-        ValueError: naming generation_config: a folder without the file, an unreadable
-            file, or a field that is not a number.
-    """
+def _file_fields(generation_config: str, source_kind: str, source_path: str) -> dict[str, Any]:
+    """The fields of the file `generation_config` selects (see `default_sampling_fields`)."""
     if generation_config == "vllm":
         return {}
     if generation_config == "auto":
@@ -87,14 +79,22 @@ def default_sampling_fields(
     return _from_file(path)
 
 
-def check_defaults(defaults: dict[str, Any], source: str) -> None:
-    """Refuses, at start-up, defaults that every request using them would be refused for
-    (a top_p of 7, a max_new_tokens of -1, ...).
+def _overrides(overrides: dict[str, Any] | str | None) -> dict[str, Any]:
+    """`override_generation_config` (a dict, or a JSON object as given on the command line,
+    in Hugging Face's names as vLLM's flag takes them) in SamplingParams' names."""
+    if overrides is None:
+        return {}
+    if isinstance(overrides, str):
+        try:
+            overrides = json.loads(overrides)
+        except ValueError as e:
+            raise ValueError(f"override_generation_config is not JSON: {e}") from None
+    if not isinstance(overrides, dict):
+        raise ValueError(f"override_generation_config must be a JSON object, got {overrides!r}")
+    return dict(_field(k, v, "override_generation_config") for k, v in overrides.items())
 
-    Raises:
-        ValueError: naming `source` (generation_config or override_generation_config) and
-            the field, with SamplingParams' own rule.
-    """
+
+def _check(defaults: dict[str, Any], source: str) -> None:
     from pagedjax.sampling_params import SamplingParams
 
     try:
@@ -103,31 +103,34 @@ def check_defaults(defaults: dict[str, Any], source: str) -> None:
         raise ValueError(f"{source}: invalid default sampling parameter: {e}") from None
 
 
-def merge_overrides(defaults: dict[str, Any], overrides: dict[str, Any] | str | None):
-    """`defaults` updated with `override_generation_config` (a dict, or a JSON object as
-    given on the command line) in Hugging Face's names, as vLLM's flag takes them.
+def default_sampling_fields(
+    generation_config: str,
+    source_kind: str,
+    source_path: str,
+    overrides: dict[str, Any] | str | None = None,
+) -> dict[str, Any]:
+    """The sampling defaults (SamplingParams field -> value) that `generation_config` and
+    `override_generation_config` select.
+
+    Args:
+        generation_config: "auto" (the checkpoint's own file, when it is a Hugging Face
+            folder that has one), "vllm" (none: pagedjax's defaults), or a folder holding a
+            `generation_config.json` (or the file's own path).
+        source_kind, source_path: the resolved model source ("hf" | "gguf" | "orbax").
+        overrides: `override_generation_config`, fields over the file's.
+
+    Returns:
+        e.g. {"temperature": 0.6, "top_p": 0.9, "max_tokens": 512}; empty for none.
 
     Raises:
-        ValueError: naming override_generation_config: not a JSON object, an unknown
-            field, or a value that is not a number.
+        ValueError: naming generation_config or override_generation_config: a folder
+            without the file, an unreadable file, not a JSON object, an unknown field, a
+            field that is not a number, or a value every request would be refused for (a
+            top_p of 7, a max_new_tokens of -1: SamplingParams' own rule, checked here at
+            start-up rather than on each request).
     """
-    if overrides is None:
-        return dict(defaults)
-    if isinstance(overrides, str):
-        try:
-            overrides = json.loads(overrides)
-        except ValueError as e:
-            raise ValueError(f"override_generation_config is not JSON: {e}") from None
-    if not isinstance(overrides, dict):
-        raise ValueError(f"override_generation_config must be a JSON object, got {overrides!r}")
-    out = dict(defaults)
-    for hf_name, value in overrides.items():
-        if hf_name not in FIELDS:
-            raise ValueError(
-                f"override_generation_config: unknown field {hf_name!r} (one of {sorted(FIELDS)})"
-            )
-        name, typ = FIELDS[hf_name]
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ValueError(f"override_generation_config: {hf_name} must be a number")
-        out[name] = typ(value)
-    return out
+    from_file = _file_fields(generation_config, source_kind, source_path)
+    given = _overrides(overrides)
+    _check({k: v for k, v in from_file.items() if k not in given}, "generation_config")
+    _check(given, "override_generation_config")
+    return {**from_file, **given}

@@ -10,7 +10,7 @@ import shutil
 import pytest
 
 from pagedjax.engine_args import EngineArgs
-from pagedjax.generation_config import default_sampling_fields, merge_overrides
+from pagedjax.generation_config import default_sampling_fields
 from pagedjax.server.protocol import ChatCompletionRequest, CompletionRequest
 
 CREATOR = {  # as Hugging Face writes it: only what differs from its defaults, and more
@@ -54,17 +54,30 @@ def test_the_sampling_fields_of_the_file_are_read_in_samplingparams_names(creato
         default_sampling_fields(str(tmp_path), "hf", str(creator_dir))
 
 
-def test_overrides_take_the_generation_config_names_and_win():
-    base = {"temperature": 0.6, "max_tokens": 7}
-    assert merge_overrides(base, '{"temperature": 0, "max_new_tokens": 3}') == {
+def test_overrides_take_the_generation_config_names_and_win(creator_dir, tmp_path):
+    def fields(overrides, folder=creator_dir):
+        return default_sampling_fields("auto", "hf", str(folder), overrides)
+
+    base = {**EXPECTED, "max_tokens": 7}
+    assert fields('{"temperature": 0, "max_new_tokens": 3}') == {
+        **base,
         "temperature": 0.0,
         "max_tokens": 3,
     }
-    assert merge_overrides(base, None) == base
+    assert fields(None) == base
     with pytest.raises(ValueError, match="override_generation_config: unknown field 'seed'"):
-        merge_overrides(base, {"seed": 1})
+        fields({"seed": 1})
     with pytest.raises(ValueError, match="override_generation_config is not JSON"):
-        merge_overrides(base, "{temperature")
+        fields("{temperature")
+    with pytest.raises(ValueError, match="override_generation_config: max_new_tokens is not an"):
+        fields({"max_new_tokens": 2.5})  # was truncated to 2
+    # a file's value that every request would be refused for, unless an override replaces it
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "generation_config.json").write_text('{"top_p": 7, "top_k": 3}')
+    with pytest.raises(ValueError, match="generation_config: invalid .* top_p"):
+        fields(None, bad)
+    assert fields({"top_p": 0.5}, bad) == {"top_p": 0.5, "top_k": 3}
 
 
 def test_engine_config_carries_the_defaults_unless_told_otherwise(creator_dir):
