@@ -51,7 +51,7 @@ class ModelConfig:
         skip_tokenizer_init: no tokenizer (token-id prompts only, no output text).
         served_model_name: the name the server reports when a request names none.
         served_model_names: every name the server answers to (the first is
-            served_model_name; vLLM's `--served-model-name a b`).
+            served_model_name; vLLM's `--served-model-name a b`); default: that one.
         dtype: "float32" | "bfloat16" | "float16".
         seed: the engine seed (requests without their own seed draw one from it).
         max_model_len: prompt + output tokens at most.
@@ -102,6 +102,10 @@ class ModelConfig:
     enforce_eager: bool = False
     served_model_names: tuple[str, ...] = ()
     default_sampling_fields: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        if not self.served_model_names:  # a config built with one name
+            object.__setattr__(self, "served_model_names", (self.served_model_name,))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -239,7 +239,7 @@ def build_app(
         ValueError: an unknown tool_call_parser, or auto tool choice without one.
     """
     mc = engine.model_config
-    names = mc.served_model_names or (mc.served_model_name,)  # empty in a config built by hand
+    names = mc.served_model_names
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -420,9 +420,7 @@ def run_server(ns: argparse.Namespace, sock: socket.socket | None = None) -> int
         access_log=not ns.disable_uvicorn_access_log,
         timeout_graceful_shutdown=ns.shutdown_timeout,
     )
-    name = ", ".join(
-        engine.model_config.served_model_names or [engine.model_config.served_model_name]
-    )
+    name = ", ".join(engine.model_config.served_model_names)
     host = f"[{ns.host}]" if ":" in ns.host else ns.host
     port = sock.getsockname()[1]
 
