@@ -18,16 +18,10 @@ import sys
 
 from pagedjax.engine_args import EngineArgs
 
-# The sampling flags' defaults when neither the flag nor the model's generation config sets
-# them (`LLM.get_default_sampling_params`): greedy, 64 tokens.
-CLI_SAMPLING_DEFAULTS = {
-    "max_tokens": 64,
-    "temperature": 0.0,
-    "top_p": 1.0,
-    "top_k": 0,
-    "min_p": 0.0,
-    "repetition_penalty": 1.0,
-}
+# Sampling flags that fall back to the model's generation config (`default_sampling_fields`)
+SAMPLING_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+# where neither sets them, the CLI is greedy and stops at 64 tokens (else SamplingParams')
+CLI_SAMPLING_DEFAULTS = {"max_tokens": 64, "temperature": 0.0}
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -55,11 +49,12 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
 
 def _params(ns, model_defaults: dict | None = None):
     """The SamplingParams of `generate` / `chat`: each flag as given, else the model's
-    generation-config default (`model_defaults`), else `CLI_SAMPLING_DEFAULTS`."""
+    generation-config default (`model_defaults`), else `CLI_SAMPLING_DEFAULTS`, else
+    SamplingParams' own."""
     from pagedjax.sampling_params import SamplingParams
 
     fields = {**CLI_SAMPLING_DEFAULTS, **(model_defaults or {})}
-    fields.update({k: getattr(ns, k) for k in CLI_SAMPLING_DEFAULTS if getattr(ns, k) is not None})
+    fields.update({k: getattr(ns, k) for k in SAMPLING_FLAGS if getattr(ns, k) is not None})
     return SamplingParams(n=ns.n, stop=ns.stop, ignore_eos=ns.ignore_eos, **fields)
 
 
