@@ -31,6 +31,7 @@ from pagedjax.ops.quant import LINEAR_WEIGHTS, quantize_params
         (7, 64, 1000),  # many work items, the last one partial
         (30, 520, 48),  # AVX-512's 12-row blocks and a 6-row tail; an odd panel count
         (97, 256, 96),  # rows past one 96-row pass (MC) of the AVX-512 and AVX2 paths
+        (150, 300, 80),  # past the decode plan's 128 rows: items of MC rows (prefill plan)
     ],
 )
 @pytest.mark.parametrize("isa", cpu_kernels.runnable_isas())
@@ -52,14 +53,14 @@ def test_matmul_matches_numpy(M, K, N, isa):
 @pytest.mark.parametrize("isa", cpu_kernels.runnable_isas())
 def test_matmul_row_is_independent_of_the_other_rows(isa):
     """Batch invariance of the kernel: each row's result is bit-identical whether it is
-    multiplied alone, among 7 or among 40 other rows (every micro-kernel reduces over k in
-    the same order)."""
+    multiplied alone, among 7, 40 or 129 other rows (every micro-kernel reduces over k in
+    the same order, under the decode plan (up to 128 rows) and the prefill plan alike)."""
     rng = np.random.default_rng(7)
     w = cpu_linear.pack(jnp.asarray(rng.standard_normal((1, 700, 80)).astype(np.float32)))
-    x = rng.standard_normal((41, 700)).astype(np.float32)
+    x = rng.standard_normal((200, 700)).astype(np.float32)
     f = jax.jit(functools.partial(cpu_linear.matmul, isa=isa))
     whole = np.asarray(f(x, w, 0))
-    for rows in ([5], [3, 4, 5, 6, 7, 8, 9, 10], list(range(41))[::-1]):
+    for rows in ([5], [3, 4, 5, 6, 7, 8, 9, 10], list(range(41))[::-1], list(range(60, 190))):
         got = np.asarray(f(x[rows], w, 0))
         for i, r in enumerate(rows):
             assert np.array_equal(got[i], whole[r]), (rows, r)

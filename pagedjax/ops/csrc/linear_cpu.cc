@@ -15,10 +15,11 @@
 //     follows, and nothing of W is copied per call;
 //   - x [M, K] is packed once per call into micro-panels of MR rows, k-major
 //     (xp[m / MR][k][MR], zero rows past M), so the micro-kernel reads it as one stream;
-//   - a work item is up to NC = 64 output columns (fewer when W is narrow, so that each
-//     thread gets about eight); for each KC = 256 slice of K, each 16 KB slice of a panel
-//     stays in L1 while the row blocks of x pass over it, MC = 8 MR rows at a time so that
-//     those stay in L2;
+//   - up to 128 rows (decode steps; the decode plan), a work item is every row by up to 64
+//     output columns (fewer when W is narrow, so that each thread gets about eight), so W is
+//     read from memory once per call; above it (prefill), MC rows by 256 columns; for each
+//     KC = 256 slice of K, each 16 KB slice of a panel stays in L1 while the row blocks of x
+//     pass over it, MC = 8 MR rows at a time so that those stay in L2;
 //   - the micro-kernel keeps an MR x (PW * 16) block of y in registers and does its fused
 //     multiply-adds per k from PW 16-float rows of W and MR broadcasts of x; MR and PW
 //     per ISA path (simd.h): AVX-512 12 x 32 in 24 of 32 zmm registers, AVX2 6 x 16 in
@@ -70,7 +71,16 @@ constexpr int NV = NR / kVecFloats;  // vectors per panel row
 constexpr int64_t KC = 256;      // depth of one slice of a W panel
 constexpr int64_t MC = 8 * MR;   // rows of x per pass over an item's panels
 constexpr int64_t NP = 4;        // micro-panels per decode-sized work item at most
-constexpr int64_t NCP = 256;     // columns per prefill-sized work item (M > MC)
+constexpr int64_t NCP = 256;     // columns per prefill-sized work item (M > DECODE_ROWS)
+// Up to DECODE_ROWS rows of x, every work item takes all of them (the decode plan), so each
+// panel of W streams from memory once per call; above it, items of MC rows (the prefill plan)
+// read each panel once per MC rows. A KC-deep slice of x's packed panels is then at most
+// 128 KB, in L2. (AVX2, 2 threads, alternating in one process, against the prefill plan above
+// MC = 48 rows: the 576 x 49152 LM head at M = 64 25.8 against 30.7 ms, 9 of 9 rounds faster;
+// 576 x 1536 and 1536 x 576 4-7 % faster at M = 49-128, 576 x 576 within noise; a float32
+// decode step of 64 sequences, 128-370 tokens of context, 243.0 against 263.6 ms median,
+// faster in 8 of 11 rounds of 10 steps.)
+constexpr int64_t DECODE_ROWS = 128;
 
 // y[0:R, 0:P * 16] (+)= xp[0:kc][0:R] @ (P panels wp, wp + pstride, ...)[0:kc][0:16];
 // ldy is y's row stride.
@@ -187,7 +197,7 @@ void PackAll(ffi::ThreadPool& pool, Problem& p) {
 // Sets p's work items (item_rows, item_cols, col_items) for `threads` threads; returns
 // their number.
 int64_t PlanItems(Problem& p, int64_t threads) {
-  if (p.M <= MC) {
+  if (p.M <= DECODE_ROWS) {
     // Decode-sized: all rows in each item; narrow items when W has few columns, so that
     // every thread gets several (load balance).
     p.item_rows = p.M;
@@ -234,11 +244,11 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
   }
   PackAll(pool, p);
   const int64_t items = PlanItems(p, pagedjax::Threads(pool));
-  // Decode-sized items are column ranges of W in memory order: one contiguous run of them per
+  // Decode-plan items are column ranges of W in memory order: one contiguous run of them per
   // thread (`ParallelRanges`; a float32 decode step of one sequence, in one process in
   // alternating blocks of 20 steps against interleaved items: 1.25 ms faster of 31, median of
   // 16 rounds, faster in 13).
-  if (p.M <= MC)
+  if (p.M <= DECODE_ROWS)
     pagedjax::ParallelRanges(pool, items, [&p](int64_t i, int64_t) { RunPlanned(p, i); });
   else
     ParallelFor(pool, items, [&p](int64_t i) { RunPlanned(p, i); });
