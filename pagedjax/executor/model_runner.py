@@ -9,6 +9,9 @@ bucket (`executor.step_executables`). Every bucket is compiled at warm-up (unles
 and `compile_count()` counts every XLA compilation of the process, so tests can assert none
 happen.
 
+Its side operations (KV block copies and swaps, fills of sampling-state rows for requests
+entering the batch) are compiled in `executor.runner_ops`.
+
 A step whose scheduler output carries a structured-output `grammar_bitmask` sends it with the
 packed inputs, each row at its sampler row, and sets the packed `use_bitmask` flag; any other
 step passes a device-resident all-ones bitmask of its bucket (no transfer) and the flag off.
@@ -41,7 +44,8 @@ from pagedjax.executor.draft_model import DraftRunner
 from pagedjax.executor.input_batch import BatchBuilder, SeqInput
 from pagedjax.executor.model_loading import stage_layout
 from pagedjax.executor.request_state import RequestState, bias_row
-from pagedjax.executor.step_executables import StepExecutables, abstract
+from pagedjax.executor.runner_ops import BLOCK_OP_BATCH, RunnerOps
+from pagedjax.executor.step_executables import StepExecutables
 from pagedjax.ops import cpu_kernels
 from pagedjax.ops.kv_cache import (
     KVCache,
@@ -50,14 +54,11 @@ from pagedjax.ops.kv_cache import (
     kv_cache_jnp_dtype,
     kv_cache_shape,
 )
-from pagedjax.ops.sampling import init_sampling_state, init_state_rows, set_bias_rows
+from pagedjax.ops.sampling import init_sampling_state
 from pagedjax.sharding.rules import ShardingPlan, max_device_bytes, per_device_bytes
 
 logger = logging.getLogger(__name__)
 
-BLOCK_OP_BATCH = 16  # block copies / swaps run in padded groups of this many blocks
-STATE_INIT_ROWS = 8  # sampling-state rows filled per call
-STATE_INIT_TOKENS = 256  # tokens per row and call when filling sampling-state rows
 QUERY_TILE_SIZE = 32  # query tokens per prefill tile of the XLA attention path
 KV_CHUNK_TOKENS = 32  # KV tokens per inner step of the XLA attention path (fastest on CPU)
 
@@ -135,7 +136,7 @@ class ModelRunner:
             init_sampling_state, static_argnums=(0, 1), out_shardings=plan.replicated()
         )(self.num_slots, self.arch.vocab_size)
         self._no_bitmask: dict[int, jax.Array] = {}  # per bucket: all ones, on the device
-        self._ops: dict[str, Any] = {}
+        self.ops = RunnerOps(plan, self.arch.vocab_size, scratch_slot=self.num_slots - 1)
         self.host_cache: np.ndarray | None = None  # [2, L, num_host_blocks + 1, bs, K, H]
         self.num_host_blocks = 0
         self.requests: dict[str, RequestState] = {}
@@ -263,7 +264,7 @@ class ModelRunner:
     def warmup(self, use_tqdm: bool = True) -> float:
         """Compiles the step for every token bucket, and the block and sampling-state
         operations (under `enforce_eager` none of these: each compiles at its first use,
-        `StepExecutables.get` and `_op`). Returns the seconds it took."""
+        `StepExecutables.get` and `RunnerOps.compiled`). Returns the seconds it took."""
         assert self.kv_cache is not None, "allocate_kv_cache first"
         t0 = time.perf_counter()
         buckets = self.builder.buckets
@@ -283,7 +284,7 @@ class ModelRunner:
             ("gather", "scatter") if self.num_host_blocks else ()
         )
         for name in () if eager else ops:
-            self._op(name)
+            self.ops.compiled(name, self.kv_cache, self.sampling_state)
         seconds = time.perf_counter() - t0
         if eager:
             logger.info("enforce_eager: step buckets %s compile at their first steps", buckets)
@@ -291,70 +292,7 @@ class ModelRunner:
             logger.info("compiled %d step buckets %s in %.1f s", len(buckets), buckets, seconds)
         return seconds
 
-    def _op(self, name: str):
-        """The compiled block or sampling-state operation `name` (compiled on first use):
-        "copy" / "gather" / "scatter" of BLOCK_OP_BATCH blocks, "init_rows" / "bias_rows" of
-        STATE_INIT_ROWS sampling-state rows."""
-        op = self._ops.get(name)
-        if op is not None:
-            return op
-        rep = self.plan.replicated()
-
-        def spec(shape, dtype=jnp.int32):
-            return jax.ShapeDtypeStruct(shape, dtype, sharding=rep)
-
-        kv_spec = abstract(self.kv_cache)
-        ids = spec((BLOCK_OP_BATCH,))
-        R, C, V = STATE_INIT_ROWS, STATE_INIT_TOKENS, self.arch.vocab_size
-        if name == "copy":
-            lowered = jax.jit(step_fn.copy_blocks, donate_argnums=0).lower(kv_spec, ids, ids)
-        elif name == "gather":
-            lowered = jax.jit(step_fn.gather_blocks).lower(kv_spec, ids)
-        elif name == "scatter":
-            out = jax.jit(step_fn.gather_blocks).eval_shape(kv_spec, ids)
-            scatter = jax.jit(step_fn.scatter_blocks, donate_argnums=0)
-            lowered = scatter.lower(kv_spec, ids, spec(out.shape, out.dtype))
-        elif name == "init_rows":
-            lowered = jax.jit(init_state_rows, donate_argnums=0).lower(
-                self.sampling_state, spec((R,)), spec((R,), jnp.bool_), spec((R, C)), spec((R, C))
-            )
-        elif name == "bias_rows":
-            lowered = jax.jit(set_bias_rows, donate_argnums=0).lower(
-                self.sampling_state, spec((R,)), spec((R, V), jnp.float32)
-            )
-        else:
-            raise KeyError(name)
-        op = self._ops[name] = lowered.compile()
-        return op
-
     # ----------------------------------------------------------------- requests
-
-    def _apply_block_ops(self, so: SchedulerOutput) -> None:
-        """Swap-outs, then swap-ins, then copies: each reads the blocks before the step."""
-        B = BLOCK_OP_BATCH
-        for i in range(0, len(so.blocks_to_swap_out), B):
-            pairs = so.blocks_to_swap_out[i : i + B]
-            ids = np.zeros(B, np.int32)
-            ids[: len(pairs)] = [d for d, _ in pairs]
-            data = np.asarray(self._op("gather")(self.kv_cache, ids))
-            self.host_cache[:, :, [h for _, h in pairs]] = data[:, :, : len(pairs)]
-        for i in range(0, len(so.blocks_to_swap_in), B):
-            pairs = so.blocks_to_swap_in[i : i + B]
-            ids = np.zeros(B, np.int32)
-            ids[: len(pairs)] = [d for _, d in pairs]
-            data = np.zeros(
-                self.host_cache.shape[:2] + (B,) + self.host_cache.shape[3:], self.host_cache.dtype
-            )
-            data[:, :, : len(pairs)] = self.host_cache[:, :, [h for h, _ in pairs]]
-            self.kv_cache = self._op("scatter")(self.kv_cache, ids, data)
-        for i in range(0, len(so.blocks_to_copy), B):
-            pairs = so.blocks_to_copy[i : i + B]
-            src, dst = np.zeros(B, np.int32), np.zeros(B, np.int32)
-            src[: len(pairs)] = [a for a, _ in pairs]
-            dst[: len(pairs)] = [b for _, b in pairs]
-            self.kv_cache = self._op("copy")(self.kv_cache, src, dst)
-            if self.draft is not None:
-                self.draft.copy_blocks(src, dst)
 
     def _drop(self, req_id: str) -> None:
         st = self.requests.pop(req_id, None)
@@ -379,36 +317,9 @@ class ModelRunner:
                 st.block_ids[index] = block
             st.block_ids.extend(cached.new_block_ids)
         if inits:
-            self._init_state_rows(inits)
-        for i in range(0, len(biases), STATE_INIT_ROWS):
-            group = biases[i : i + STATE_INIT_ROWS]
-            slots = np.full(STATE_INIT_ROWS, self.num_slots - 1, np.int32)
-            rows = np.zeros((STATE_INIT_ROWS, self.arch.vocab_size), np.float32)
-            for j, (slot, bias) in enumerate(group):
-                slots[j], rows[j] = slot, bias
-            self.sampling_state = self._op("bias_rows")(self.sampling_state, slots, rows)
-
-    def _init_state_rows(self, states: list[tuple[RequestState, tuple[int, ...]]]) -> None:
-        """Fills the penalty rows (prompt mask, output counts) of requests entering the batch,
-        from every token each knows."""
-        R, C = STATE_INIT_ROWS, STATE_INIT_TOKENS
-        for i in range(0, len(states), R):
-            group = states[i : i + R]
-            longest = max(len(ids) for _, ids in group)
-            for c0 in range(0, longest, C):
-                slots = np.full(R, self.num_slots - 1, np.int32)
-                reset = np.zeros(R, bool)
-                tokens = np.zeros((R, C), np.int32)
-                kinds = np.zeros((R, C), np.int32)
-                for j, (st, ids) in enumerate(group):
-                    slots[j], reset[j] = st.slot, c0 == 0
-                    n = max(0, min(C, len(ids) - c0))
-                    tokens[j, :n] = ids[c0 : c0 + n]
-                    pos = np.arange(c0, c0 + n)
-                    kinds[j, :n] = np.where(pos < st.spec.num_prompt_tokens, 1, 2)
-                self.sampling_state = self._op("init_rows")(
-                    self.sampling_state, slots, reset, tokens, kinds
-                )
+            self.sampling_state = self.ops.init_state_rows(self.sampling_state, inits)
+        if biases:
+            self.sampling_state = self.ops.set_bias_rows(self.sampling_state, biases)
 
     # ----------------------------------------------------------------- steps
 
@@ -417,7 +328,7 @@ class ModelRunner:
         (`ScheduledSeq.samples`), and the prompt logprobs computed this step."""
         t0 = time.perf_counter()
         self._update_states(so)
-        self._apply_block_ops(so)
+        self.kv_cache = self.ops.apply_block_ops(so, self.kv_cache, self.host_cache, self.draft)
         if not so.scheduled:
             return ModelRunnerOutput({}, {}, prepare_s=time.perf_counter() - t0)
         seqs = [self.requests[s.req_id].seq_input(s) for s in so.scheduled]
