@@ -180,8 +180,9 @@ def resolve_engine_config(args) -> EngineConfig:
     )
     max_tokens = args.max_num_batched_tokens or default_tokens
     max_seqs = args.max_num_seqs or min(DEFAULT_MAX_NUM_SEQS, max_tokens)
+    # vLLM's default name: the model as given (a path or hub id, not resolved).
     names = _served_names(args.served_model_name) or (
-        loader.DEFAULT_MODEL_NAME if args.model is None else source.name,
+        loader.DEFAULT_MODEL_NAME if args.model is None else args.model,
     )
     sampling_defaults = generation_config.default_sampling_fields(
         args.generation_config, source.kind, source.path, args.override_generation_config

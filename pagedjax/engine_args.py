@@ -66,7 +66,7 @@ class EngineArgs:
     served_model_name: str | list[str] | None = _field(
         None,
         "Model name(s) the server answers to; the first is reported when a request names none "
-        "(default: the model's folder or file name).",
+        "(default: the model path or id as given, as in vLLM).",
         nargs="+",
     )
     dtype: str = _field("auto", "Weights and activations dtype.", choices=DTYPES)
