@@ -189,8 +189,37 @@ inline vi WidenSignedBytes(const void* p) {
 // moves its exponent and mantissa bits into float32's fields and rebiases the exponent by an
 // integer add; a subnormal one (exponent 0) is m * 2^(1 - B - M), exact in float32. Inf and
 // NaN bytes are not special-cased (a quantized cache is saturated to finite values).
+//
+// On x86 (F16C, which every AVX2 and AVX-512 CPU has) the two formats go through the
+// half-precision converter instead, with the same values in about half the operations: an
+// e5m2 byte is the high byte of the float16 of its value; an e4m3fn byte shifted so that its
+// exponent and mantissa fields sit on float16's (sign kept) is the float16 of value * 2^-8
+// (exponent bias 15 against 7; subnormals line up the same way), multiplied back by 2^8,
+// exactly. (Only e5m2's Inf and NaN bytes, which a saturated cache never holds, come out
+// differently: Inf and NaN here, finite numbers below.) (The bit-field path below costs more per block than the scores and weighted sums
+// of the block: a float8 decode step of 8 sequences of ~260 tokens took longer than float32's.)
 template <int E, int M, int B>
 inline vf Float8ToFloat(const uint8_t* p) {
+#if defined(__F16C__) && (defined(PAGEDJAX_ISA_AVX2) || defined(PAGEDJAX_ISA_AVX512))
+  static_assert((E == 4 && M == 3 && B == 7) || (E == 5 && M == 2 && B == 15),
+                "float8 formats: e4m3fn, e5m2");
+#if defined(PAGEDJAX_ISA_AVX512)
+  const __m256i x = _mm256_slli_epi16(
+      _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 8);
+  const __m256i h = E == 5 ? x
+                           : _mm256_and_si256(_mm256_srai_epi16(x, 1),
+                                              _mm256_set1_epi16(static_cast<int16_t>(0xBFFF)));
+  const vf f = (vf)_mm512_cvtph_ps(h);
+#else
+  const __m128i x = _mm_slli_epi16(
+      _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))), 8);
+  const __m128i h = E == 5 ? x
+                           : _mm_and_si128(_mm_srai_epi16(x, 1),
+                                           _mm_set1_epi16(static_cast<int16_t>(0xBFFF)));
+  const vf f = (vf)_mm256_cvtph_ps(h);
+#endif
+  return E == 5 ? f : f * 256.0f;
+#else
   const vi x = WidenBytes(p);
   const vi sign = (x & 0x80) << 24;
   const vi em = x & 0x7f;                  // exponent and mantissa bits
@@ -199,6 +228,7 @@ inline vf Float8ToFloat(const uint8_t* p) {
                  (1.0f / float(1ull << (B + M - 1)));  // m * 2^(1 - B - M)
   const vi mag = (em >> M) == 0 ? (vi)sub : normal;
   return (vf)(mag | sign);
+#endif
 }
 
 // 8-float vectors, for code written before the paths existed.
