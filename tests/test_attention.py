@@ -436,6 +436,41 @@ def test_native_kernel_matches_numpy(head_dim, dtype, window, cap, isa):
 
 
 @pytest.mark.parametrize("isa", cpu_kernels.runnable_isas())
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float8_e4m3fn"])
+def test_native_kernel_one_sequence_split_by_kv_head_matches_the_batch(dtype, isa):
+    """A step of one decode sequence is split into one work item per KV head (each reading
+    and converting only its head's part of every block); its output is bit-identical to the
+    same sequence's row in a step of five sequences (one item per sequence, every head)."""
+    rng = np.random.default_rng(11)
+    NB, BS, K, G, H, B = 40, 16, 2, 3, 64, 4
+    lens = np.array([37, 50, 3, 64, 20], np.int32)
+    tables = rng.permutation(np.arange(1, NB))[: 5 * B].reshape(5, B).astype(np.int32)
+    kc = jnp.asarray(rng.standard_normal((1, NB, BS, K, H), np.float32)).astype(dtype)
+    vc = jnp.asarray(rng.standard_normal((1, NB, BS, K, H), np.float32)).astype(dtype)
+    q = rng.standard_normal((5, K * G, H), np.float32)
+
+    def run(rows):
+        n = len(rows)
+        return np.asarray(
+            cpu_attention.paged_attention(
+                jnp.asarray(q[rows]),
+                kc,
+                vc,
+                0,
+                jnp.asarray(lens[rows]),
+                jnp.arange(n + 1, dtype=jnp.int32),
+                jnp.asarray(tables[rows]),
+                sm_scale=H**-0.5,
+                isa=isa,
+            )
+        )
+
+    batch = run([0, 1, 2, 3, 4])
+    for s in range(5):
+        assert np.array_equal(run([s])[0], batch[s]), s
+
+
+@pytest.mark.parametrize("isa", cpu_kernels.runnable_isas())
 @pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2"])
 def test_native_kernel_reads_every_float8_byte_exactly(dtype, isa):
     """A one-token context gives out = v_scale * V[pos 0] exactly (softmax weight 1): one V

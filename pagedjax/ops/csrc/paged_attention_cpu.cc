@@ -25,8 +25,9 @@
 // max, as in Gemma 2.
 //
 // Cache dtypes: float32 is read in place; bfloat16 and float8 (e4m3fn, e5m2) blocks are
-// converted to float32 once per item and block into an L1-sized tile, float8 in vector
-// registers (simd.h `Float8ToFloat`), so a float8 cache moves a quarter of float32's bytes.
+// converted to float32 once per item and block into an L1-sized tile (only the item's KV
+// heads), float8 in vector registers (simd.h `Float8ToFloat`), so a float8 cache moves a
+// quarter of float32's bytes.
 //
 // Built on first use by pagedjax/ops/cpu_kernels.py (g++ -O3, the flags of an ISA path).
 
@@ -96,43 +97,55 @@ struct Item {
   int64_t s, q0, nq, n0, n1;
 };
 
-// The first `rows` rows ([rows, K * H]) of a cache block as float32: in place for a float32
-// cache, else converted into `tmp` (bfloat16 by bit shift, float8 in registers).
+// n float8 values from src as float32 into dst.
 template <int E, int M, int B>
-void Float8Rows(const uint8_t* src, int64_t n, float* tmp) {
+void Float8Rows(const uint8_t* src, int64_t n, float* dst) {
   int64_t i = 0;
-  for (; i + kVecFloats <= n; i += kVecFloats) VStore(tmp + i, Float8ToFloat<E, M, B>(src + i));
+  for (; i + kVecFloats <= n; i += kVecFloats) VStore(dst + i, Float8ToFloat<E, M, B>(src + i));
   if (i < n) {  // the tail through a padded copy
     alignas(64) uint8_t last[kVecFloats] = {};
     alignas(64) float vals[kVecFloats];
     for (int64_t j = i; j < n; ++j) last[j - i] = src[j];
     VStore(vals, Float8ToFloat<E, M, B>(last));
-    for (int64_t j = i; j < n; ++j) tmp[j] = vals[j - i];
+    for (int64_t j = i; j < n; ++j) dst[j] = vals[j - i];
   }
 }
 
-const float* BlockRows(const Problem& p, const void* cache, int64_t page, int64_t rows,
-                       float* tmp) {
-  const int64_t KH = p.K * p.H;
-  const int64_t start = (p.layer * p.NB + page) * p.BS * KH, n = rows * KH;
+// n cache values from `src` (index `start` of the cache) as float32 into dst.
+void ConvertValues(const Problem& p, const void* cache, int64_t start, int64_t n, float* dst) {
   switch (p.dtype) {
-    case ffi::DataType::F32:
-      return static_cast<const float*>(cache) + start;
     case ffi::DataType::BF16: {
       const uint16_t* src = static_cast<const uint16_t*>(cache) + start;
       for (int64_t i = 0; i < n; ++i) {
         uint32_t bits = static_cast<uint32_t>(src[i]) << 16;
-        std::memcpy(&tmp[i], &bits, 4);
+        std::memcpy(&dst[i], &bits, 4);
       }
-      return tmp;
+      return;
     }
     case ffi::DataType::F8E5M2:
-      Float8Rows<5, 2, 15>(static_cast<const uint8_t*>(cache) + start, n, tmp);
-      return tmp;
+      Float8Rows<5, 2, 15>(static_cast<const uint8_t*>(cache) + start, n, dst);
+      return;
     default:  // F8E4M3FN
-      Float8Rows<4, 3, 7>(static_cast<const uint8_t*>(cache) + start, n, tmp);
-      return tmp;
+      Float8Rows<4, 3, 7>(static_cast<const uint8_t*>(cache) + start, n, dst);
+      return;
   }
+}
+
+// The first `rows` rows ([rows, K * H]) of a cache block as float32: in place for a float32
+// cache, else converted into `tmp` (bfloat16 by bit shift, float8 in registers), only the
+// values [lo, hi) of each row (an item's KV heads; the rest of tmp is left as it was).
+const float* BlockRows(const Problem& p, const void* cache, int64_t page, int64_t rows,
+                       int64_t lo, int64_t hi, float* tmp) {
+  const int64_t KH = p.K * p.H;
+  const int64_t start = (p.layer * p.NB + page) * p.BS * KH;
+  if (p.dtype == ffi::DataType::F32) return static_cast<const float*>(cache) + start;
+  if (lo == 0 && hi == KH) {
+    ConvertValues(p, cache, start, rows * KH, tmp);
+  } else {
+    for (int64_t t = 0; t < rows; ++t)
+      ConvertValues(p, cache, start + t * KH + lo, hi - lo, tmp + t * KH + lo);
+  }
+  return tmp;
 }
 
 // One item. Query i of the sequence sits at position len - qlen + i and attends to positions
@@ -173,20 +186,18 @@ void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch) {
   const int64_t num_blocks = (ctx + BS - 1) / BS;
   auto page_of = [&](int64_t j) { return std::clamp<int64_t>(table[j], 0, p.NB - 1); };
   auto visible = [&](int64_t qi) { return std::min(first_pos + qi + 1, ctx); };  // positions
+  // An item reads (and converts) only its KV heads' values [head_lo, head_hi) of each row.
+  const int64_t head_lo = (n0 / G) * H, head_hi = ((n1 - 1) / G + 1) * H;
   // Blocks lie at random places, beyond the reach of the hardware prefetcher: the next block's
   // rows are requested while this block is computed, a share of them before each of query 0's
   // head visits, so that the requests overlap the arithmetic. (All of a block's lines at once,
   // before its first visit, gained nothing over no prefetch at all: 64 sequences of 128-256
   // tokens, 30 layers, 2 threads, AVX2, alternating in one process: 45.6 ms without, 44.7 all
-  // at once, 36.4 spread; a distance of 2 blocks, or a hint to L2, gained nothing more.) A
-  // float32 cache is read in place, so only the item's KV heads' bytes [span_lo, span_hi) of
-  // each row are requested; a converted block (BlockRows) is read whole.
+  // at once, 36.4 spread; a distance of 2 blocks, or a hint to L2, gained nothing more.)
   const int64_t elem_bytes =
       p.dtype == ffi::DataType::F32 ? 4 : p.dtype == ffi::DataType::BF16 ? 2 : 1;
   const int64_t row_bytes = KH * elem_bytes;
-  const bool in_place = p.dtype == ffi::DataType::F32;
-  const int64_t span_lo = in_place ? (n0 / G) * H * elem_bytes : 0;
-  const int64_t span_hi = in_place ? ((n1 - 1) / G + 1) * H * elem_bytes : row_bytes;
+  const int64_t span_lo = head_lo * elem_bytes, span_hi = head_hi * elem_bytes;
 
   // Walks the item's blocks of one cache: visit(r, t0, t1, kv, pos0) for each row
   // r = qi * N + n that sees rows [t0, t1) (t1 > t0) of the block starting at position pos0,
@@ -194,7 +205,8 @@ void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch) {
   auto for_each_block = [&](const void* cache, auto&& visit) {
     const int64_t heads = n1 - n0;
     for (int64_t j = first_block; j < num_blocks; ++j) {
-      const float* block = BlockRows(p, cache, page_of(j), std::min(BS, ctx - j * BS), tmp);
+      const float* block =
+          BlockRows(p, cache, page_of(j), std::min(BS, ctx - j * BS), head_lo, head_hi, tmp);
       const int64_t next_rows = j + 1 < num_blocks ? std::min(BS, ctx - (j + 1) * BS) : 0;
       const char* next = static_cast<const char*>(cache) +
                          (p.layer * p.NB + page_of(std::min(j + 1, num_blocks - 1))) * BS * row_bytes;
