@@ -17,11 +17,8 @@ own `asyncio.Queue`. The thread sleeps on the command queue while no request is 
 and otherwise drains the commands between two steps, so a new request waits at most one step
 to be admitted. The engine runs each request in its caller's `output_kind` (DELTA,
 CUMULATIVE or FINAL_ONLY: the engine builds all three) and the stream yields the engine's
-outputs as they are. The thread records the Prometheus metrics from them (see
-`pagedjax.engine.prometheus`): per step for DELTA and CUMULATIVE requests; a FINAL_ONLY
-request's single output gives its time to first token from the engine's timestamps and its
-inter-token latency as the mean over its decode steps (count and sum exact, one observation
-per step after the first).
+outputs as they are. The thread records the Prometheus metrics from them and from the
+schedulers' stats (`pagedjax.engine.request_metrics`).
 
 Failure isolation: a `ValueError` from `add_request` (bad prompt or parameters; an
 `InvalidInputError` names the field at fault) reaches the caller of `add_requests` and queues
@@ -37,7 +34,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import copy
-import dataclasses
 import logging
 import queue
 import threading
@@ -50,8 +46,7 @@ from pagedjax.engine.engine import LLMEngine
 from pagedjax.engine.factory import create_engine
 from pagedjax.engine.input_processor import InputProcessor, ProcessedInput
 from pagedjax.engine.prometheus import PrometheusStatLogger
-from pagedjax.engine.scheduler import SchedulerStats
-from pagedjax.engine.spec_decode import sum_spec_stats
+from pagedjax.engine.request_metrics import LiveRequest, record_output, record_scheduler_stats
 from pagedjax.engine_args import EngineArgs
 from pagedjax.errors import InvalidInputError
 from pagedjax.inputs import PromptType
@@ -67,20 +62,6 @@ class EngineError(RuntimeError):
 
 class EngineDeadError(EngineError):
     """The engine thread has stopped; no request can run any more."""
-
-
-@dataclasses.dataclass
-class _Live:
-    """Engine-thread bookkeeping of one unfinished request (times from time.monotonic())."""
-
-    stream: RequestStream
-    arrival: float
-    output_kind: RequestOutputKind = RequestOutputKind.DELTA
-    num_prompt_tokens: int = 0
-    num_generation_tokens: int = 0
-    first_token_time: float | None = None
-    last_token_time: float | None = None
-    seen_tokens: dict[int, int] = dataclasses.field(default_factory=dict)  # CUMULATIVE
 
 
 class RequestStream:
@@ -163,11 +144,11 @@ class AsyncLLM:
         self._input_processor = InputProcessor(self.model_config, tokenizer)
         self._inputs = concurrent.futures.ThreadPoolExecutor(1, "pagedjax-inputs")
         self._commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
-        self._live: dict[str, _Live] = {}
+        self._live: dict[str, LiveRequest] = {}
         self._loops: dict[str, asyncio.AbstractEventLoop] = {}
         self._dead: BaseException | None = None
         self._stopping = False
-        self._record_stats()
+        record_scheduler_stats(self.metrics, self._replicas)
         self._thread = threading.Thread(target=self._run, name="pagedjax-engine", daemon=True)
         self._thread.start()
 
@@ -307,7 +288,7 @@ class AsyncLLM:
                     self._handle(c)
                 if self.engine.has_unfinished_requests():
                     self._step()
-                self._record_stats()
+                record_scheduler_stats(self.metrics, self._replicas)
             self._fail_all(EngineDeadError("the server is shutting down"))
         except BaseException as e:  # a failure of the engine as a whole
             logger.exception("engine thread failed")
@@ -339,7 +320,7 @@ class AsyncLLM:
             return
         now = time.monotonic()
         for stream in streams:
-            self._live[stream.request_id] = _Live(stream, now, stream.output_kind)
+            self._live[stream.request_id] = LiveRequest(stream, now, stream.output_kind)
             self._loops[stream.request_id] = loop
         _call(loop, _set_result, ack, None)
 
@@ -357,68 +338,12 @@ class AsyncLLM:
             live = self._live.get(out.request_id)
             if live is None:
                 continue
-            self._record_output(live, out, now)
+            record_output(self.metrics, live, out, now)
             loop = self._loops[out.request_id]
             if out.finished:
                 del self._live[out.request_id]
                 del self._loops[out.request_id]
             _call(loop, live.stream._put, out)
-
-    def _record_output(self, live: _Live, out: RequestOutput, now: float) -> None:
-        """Metrics from one output of the engine, in the request's output kind."""
-        if live.output_kind == RequestOutputKind.FINAL_ONLY:
-            self._record_final_only(live, out, now)
-            return
-        if live.output_kind == RequestOutputKind.CUMULATIVE:
-            new_tokens = 0
-            for o in out.outputs:
-                new_tokens += len(o.token_ids) - live.seen_tokens.get(o.index, 0)
-                live.seen_tokens[o.index] = len(o.token_ids)
-        else:
-            new_tokens = sum(len(o.token_ids) for o in out.outputs)
-        if new_tokens:
-            if live.first_token_time is None:
-                live.first_token_time = now
-                live.num_prompt_tokens = len(out.prompt_token_ids)
-                self.metrics.record_first_token(now - live.arrival, live.num_prompt_tokens)
-            else:
-                self.metrics.record_inter_token(now - live.last_token_time)
-            live.last_token_time = now
-            live.num_generation_tokens += new_tokens
-            self.metrics.record_generation_tokens(new_tokens)
-        if out.finished:
-            self.metrics.record_finished(
-                out.outputs[0].finish_reason or "stop",
-                now - live.arrival,
-                len(out.prompt_token_ids),
-                live.num_generation_tokens,
-            )
-
-    def _record_final_only(self, live: _Live, out: RequestOutput, now: float) -> None:
-        """A FINAL_ONLY request's one output: time to first token from the engine's own
-        timestamps (seconds since the epoch), one inter-token observation per decode step
-        after the first (the mean step time: the steps themselves were not reported)."""
-        generated = sum(len(o.token_ids) for o in out.outputs)
-        steps = max((len(o.token_ids) for o in out.outputs), default=0)
-        e2e = now - live.arrival
-        m = out.metrics
-        first = m.first_token_time if m is not None else None
-        if generated:
-            ttft = e2e if first is None else min(max(first - m.arrival_time, 0.0), e2e)
-            self.metrics.record_first_token(ttft, len(out.prompt_token_ids))
-            if steps > 1:
-                last = m.finished_time if m is not None else None
-                span = last - first if first is not None and last is not None else e2e - ttft
-                for _ in range(steps - 1):
-                    self.metrics.record_inter_token(max(span, 0.0) / (steps - 1))
-            self.metrics.record_generation_tokens(generated)
-        if out.finished:
-            self.metrics.record_finished(
-                out.outputs[0].finish_reason or "stop",
-                e2e,
-                len(out.prompt_token_ids),
-                generated,
-            )
 
     def _fail_all(self, error: BaseException, abort: bool = True) -> None:
         live, self._live = self._live, {}
@@ -431,28 +356,6 @@ class AsyncLLM:
                 self._dead = e
         for rid, entry in live.items():
             _call(loops[rid], entry.stream._put, error)
-
-    def _record_stats(self) -> None:
-        """Scheduler stats summed over the replicas (KV usage: held / usable blocks)."""
-        stats = [r.scheduler.stats() for r in self._replicas]
-        pools = [r.kv_cache_manager.pool for r in self._replicas]
-        total = SchedulerStats(
-            **{
-                f.name: sum(getattr(x, f.name) for x in stats)
-                for f in dataclasses.fields(SchedulerStats)
-                if f.name != "kv_cache_usage"
-            }
-        )
-        usable = sum(p.num_usable_blocks for p in pools)
-        free = sum(p.num_free_blocks for p in pools)
-        total.kv_cache_usage = 1.0 - free / usable if usable else 0.0
-        self.metrics.record_scheduler_stats(total, free)
-        specs = [r.speculator.stats for r in self._replicas if getattr(r, "speculator", None)]
-        if specs:
-            self.metrics.record_spec_decode(sum_spec_stats(specs))
-        for r in self._replicas:
-            if getattr(r, "structured_output", None) is not None:
-                self.metrics.record_grammar_timings(*r.structured_output.take_timings())
 
 
 def _at_position(e: ValueError, i: int) -> ValueError:

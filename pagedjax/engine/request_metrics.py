@@ -1,0 +1,122 @@
+"""The server's Prometheus metrics from the engine's outputs and its schedulers' stats, as
+`AsyncLLM`'s engine thread records them (the metrics: `pagedjax.engine.prometheus`).
+
+Per output of a DELTA or CUMULATIVE request: time to first token (from its arrival at the
+engine thread), inter-token latency, generation tokens, and the finished request. A
+FINAL_ONLY request's single output gives its time to first token from the engine's own
+timestamps and its inter-token latency as the mean over its decode steps (count and sum
+exact, one observation per step after the first). Per step: the scheduler stats summed over
+the replicas (KV-cache usage: held over usable blocks), speculative-decoding counts and the
+structured-output grammar timings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from pagedjax.engine.prometheus import PrometheusStatLogger
+from pagedjax.engine.scheduler import SchedulerStats
+from pagedjax.engine.spec_decode import sum_spec_stats
+from pagedjax.outputs import RequestOutput
+from pagedjax.sampling_params import RequestOutputKind
+
+
+@dataclasses.dataclass
+class LiveRequest:
+    """Engine-thread bookkeeping of one unfinished request (times from time.monotonic())."""
+
+    stream: Any  # its RequestStream (pagedjax.engine.async_llm)
+    arrival: float
+    output_kind: RequestOutputKind = RequestOutputKind.DELTA
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    seen_tokens: dict[int, int] = dataclasses.field(default_factory=dict)  # CUMULATIVE
+
+
+def record_output(
+    metrics: PrometheusStatLogger, live: LiveRequest, out: RequestOutput, now: float
+) -> None:
+    """Metrics from one output of the engine, in the request's output kind."""
+    if live.output_kind == RequestOutputKind.FINAL_ONLY:
+        _record_final_only(metrics, live, out, now)
+        return
+    if live.output_kind == RequestOutputKind.CUMULATIVE:
+        new_tokens = 0
+        for o in out.outputs:
+            new_tokens += len(o.token_ids) - live.seen_tokens.get(o.index, 0)
+            live.seen_tokens[o.index] = len(o.token_ids)
+    else:
+        new_tokens = sum(len(o.token_ids) for o in out.outputs)
+    if new_tokens:
+        if live.first_token_time is None:
+            live.first_token_time = now
+            live.num_prompt_tokens = len(out.prompt_token_ids)
+            metrics.record_first_token(now - live.arrival, live.num_prompt_tokens)
+        else:
+            metrics.record_inter_token(now - live.last_token_time)
+        live.last_token_time = now
+        live.num_generation_tokens += new_tokens
+        metrics.record_generation_tokens(new_tokens)
+    if out.finished:
+        metrics.record_finished(
+            out.outputs[0].finish_reason or "stop",
+            now - live.arrival,
+            len(out.prompt_token_ids),
+            live.num_generation_tokens,
+        )
+
+
+def _record_final_only(
+    metrics: PrometheusStatLogger, live: LiveRequest, out: RequestOutput, now: float
+) -> None:
+    """A FINAL_ONLY request's one output: time to first token from the engine's own
+    timestamps (seconds since the epoch), one inter-token observation per decode step
+    after the first (the mean step time: the steps themselves were not reported)."""
+    generated = sum(len(o.token_ids) for o in out.outputs)
+    steps = max((len(o.token_ids) for o in out.outputs), default=0)
+    e2e = now - live.arrival
+    m = out.metrics
+    first = m.first_token_time if m is not None else None
+    if generated:
+        ttft = e2e if first is None else min(max(first - m.arrival_time, 0.0), e2e)
+        metrics.record_first_token(ttft, len(out.prompt_token_ids))
+        if steps > 1:
+            last = m.finished_time if m is not None else None
+            span = last - first if first is not None and last is not None else e2e - ttft
+            for _ in range(steps - 1):
+                metrics.record_inter_token(max(span, 0.0) / (steps - 1))
+        metrics.record_generation_tokens(generated)
+    if out.finished:
+        metrics.record_finished(
+            out.outputs[0].finish_reason or "stop",
+            e2e,
+            len(out.prompt_token_ids),
+            generated,
+        )
+
+
+def record_scheduler_stats(metrics: PrometheusStatLogger, replicas: Sequence[Any]) -> None:
+    """Scheduler stats summed over the replicas (KV usage: held / usable blocks)."""
+    stats = [r.scheduler.stats() for r in replicas]
+    pools = [r.kv_cache_manager.pool for r in replicas]
+    total = SchedulerStats(
+        **{
+            f.name: sum(getattr(x, f.name) for x in stats)
+            for f in dataclasses.fields(SchedulerStats)
+            if f.name != "kv_cache_usage"
+        }
+    )
+    usable = sum(p.num_usable_blocks for p in pools)
+    free = sum(p.num_free_blocks for p in pools)
+    total.kv_cache_usage = 1.0 - free / usable if usable else 0.0
+    metrics.record_scheduler_stats(total, free)
+    specs = [r.speculator.stats for r in replicas if getattr(r, "speculator", None)]
+    if specs:
+        metrics.record_spec_decode(sum_spec_stats(specs))
+    for r in replicas:
+        if getattr(r, "structured_output", None) is not None:
+            metrics.record_grammar_timings(*r.structured_output.take_timings())
