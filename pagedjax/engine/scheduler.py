@@ -33,9 +33,9 @@ the token bitmask of the constrained rows that sample (`SchedulerOutput.grammar_
 and advances their matchers with the sampled tokens.
 
 The scheduler owns request state: `update_from_output` appends each sampled token, advances
-`num_computed_tokens` and decides, in one place, whether the request ends (EOS, stop token
-ids, a completed grammar, max_tokens / max_model_len, stop strings; an abort comes through
-`finish_requests`).
+`num_computed_tokens` and decides, in one place (`engine.stop_check`), whether the request
+ends (EOS, stop token ids, a completed grammar, max_tokens / max_model_len, stop strings; an
+abort comes through `finish_requests`).
 Plain Python (no jax): `schedule()` returns a `SchedulerOutput` of ids and counts
 (`engine.interface`), with no `Request` in it.
 """
@@ -59,6 +59,7 @@ from pagedjax.engine.interface import (
 from pagedjax.engine.kv_cache_manager import KVCacheManager
 from pagedjax.engine.request import Request, RequestStatus
 from pagedjax.engine.spec_decode import Speculator
+from pagedjax.engine.stop_check import check_stop
 from pagedjax.engine.waiting_queue import WaitingQueue
 from pagedjax.structured_output.scheduling import GrammarWaitQueue, step_bitmask
 
@@ -387,8 +388,9 @@ class Scheduler:
         draft_token_ids: dict[str, tuple[int, ...]] | None = None,
     ) -> list[Request]:
         """Advances the scheduled requests, appends their sampled tokens and ends those that
-        are done (in this order: EOS, a stop token id, max_tokens or max_model_len, a stop
-        string); finished requests are freed and forgotten.
+        are done (`check_stop`: EOS, a stop token id, a grammar's error or completion,
+        max_tokens or max_model_len, a stop string); finished requests are freed and
+        forgotten.
 
         Args:
             out: this step's `SchedulerOutput`.
@@ -423,7 +425,7 @@ class Scheduler:
                 if self.forks.has_siblings(req):
                     for child in self.forks.fork(req, self.kv):
                         self.waiting.add_front(child)
-                status = self._check_stop(req)
+                status = check_stop(req, self.config.max_model_len)
                 if status is not None:
                     self.running.remove(req)
                     self._finish(req, status)
@@ -434,31 +436,6 @@ class Scheduler:
                     self.spec.set_drafts(seq.req_id, draft_token_ids[seq.req_id])
             progressed.append(req)
         return progressed
-
-    def _check_stop(self, req: Request) -> RequestStatus | None:
-        """Whether the request ends with its last token (sets `stop_reason` if so)."""
-        p = req.sampling_params
-        token = req.output_token_ids[-1]
-        # The text grows with every token, whatever ends the request.
-        stop_string = req.detokenizer.update(req.output_token_ids) if req.detokenizer else None
-        if req.num_output_tokens >= p.min_tokens:
-            if token == req.eos_token_id and not p.ignore_eos:
-                return RequestStatus.FINISHED_STOPPED
-            if p.stop_token_ids and token in p.stop_token_ids:
-                req.stop_reason = token
-                return RequestStatus.FINISHED_STOPPED
-        so = req.structured_output
-        if so is not None and so.error is not None:
-            req.stop_reason = so.error
-            return RequestStatus.FINISHED_ERROR
-        if so is not None and so.is_terminated():
-            return RequestStatus.FINISHED_STOPPED  # the grammar is complete
-        if req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.config.max_model_len:
-            return RequestStatus.FINISHED_LENGTH_CAPPED
-        if stop_string is not None:
-            req.stop_reason = stop_string
-            return RequestStatus.FINISHED_STOPPED
-        return None
 
     def stats(self) -> SchedulerStats:
         s = self.kv.stats
