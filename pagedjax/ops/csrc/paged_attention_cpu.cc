@@ -208,8 +208,9 @@ void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch) {
       const float* block =
           BlockRows(p, cache, page_of(j), std::min(BS, ctx - j * BS), head_lo, head_hi, tmp);
       const int64_t next_rows = j + 1 < num_blocks ? std::min(BS, ctx - (j + 1) * BS) : 0;
-      const char* next = static_cast<const char*>(cache) +
-                         (p.layer * p.NB + page_of(std::min(j + 1, num_blocks - 1))) * BS * row_bytes;
+      const int64_t next_page = page_of(std::min(j + 1, num_blocks - 1));
+      const char* next =
+          static_cast<const char*>(cache) + (p.layer * p.NB + next_page) * BS * row_bytes;
       for (int64_t qi = 0; qi < nq; ++qi) {
         const int64_t t0 = std::max<int64_t>(start(qi) - j * BS, 0);
         const int64_t t1 = std::min(BS, visible(qi) - j * BS);
@@ -217,7 +218,8 @@ void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch) {
           if (qi == 0) {  // the next block's rows [h R / heads, (h + 1) R / heads)
             const int64_t h = n - n0;
             for (int64_t t = h * next_rows / heads; t < (h + 1) * next_rows / heads; ++t)
-              for (int64_t b = span_lo; b < span_hi; b += 64) __builtin_prefetch(next + t * row_bytes + b);
+              for (int64_t b = span_lo; b < span_hi; b += 64)
+                __builtin_prefetch(next + t * row_bytes + b);
           }
           if (t1 > t0) visit(qi * N + n, t0, t1, block + (n / G) * H, j * BS);
         }

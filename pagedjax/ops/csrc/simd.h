@@ -195,9 +195,10 @@ inline vi WidenSignedBytes(const void* p) {
 // e5m2 byte is the high byte of the float16 of its value; an e4m3fn byte shifted so that its
 // exponent and mantissa fields sit on float16's (sign kept) is the float16 of value * 2^-8
 // (exponent bias 15 against 7; subnormals line up the same way), multiplied back by 2^8,
-// exactly. (Only e5m2's Inf and NaN bytes, which a saturated cache never holds, come out
-// differently: Inf and NaN here, finite numbers below.) (The bit-field path below costs more per block than the scores and weighted sums
-// of the block: a float8 decode step of 8 sequences of ~260 tokens took longer than float32's.)
+// exactly. Only e5m2's Inf and NaN bytes, which a saturated cache never holds, come out
+// differently: Inf and NaN here, finite numbers below. (The bit-field path below cost more
+// per block than the block's scores and weighted sums: 30 layers of attention over 64
+// sequences of a float8 cache, AVX2, 29.7 ms against 25.1 with the converter.)
 template <int E, int M, int B>
 inline vf Float8ToFloat(const uint8_t* p) {
 #if defined(__F16C__) && (defined(PAGEDJAX_ISA_AVX2) || defined(PAGEDJAX_ISA_AVX512))
