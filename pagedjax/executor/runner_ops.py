@@ -46,7 +46,7 @@ class RunnerOps:
         self.scratch_slot = scratch_slot
         self._compiled: dict[str, Any] = {}
 
-    def compiled(self, name: str, kv_cache: KVCache, sampling_state: Any):
+    def compiled(self, name: str, kv_cache: KVCache | None, sampling_state: Any):
         """The compiled operation `name` (one of `OP_NAMES`), compiled on first use for the
         shapes of `kv_cache` (the block operations "copy" / "gather" / "scatter" of
         BLOCK_OP_BATCH blocks) or `sampling_state` ("init_rows" / "bias_rows" of
@@ -146,12 +146,12 @@ class RunnerOps:
         """Writes logit-bias rows (`biases`: (slot, float32 [vocab_size] row) pairs). Returns
         the new sampling state (the old one is donated)."""
         R = STATE_INIT_ROWS
+        op = self.compiled("bias_rows", None, sampling_state)
         for i in range(0, len(biases), R):
             group = biases[i : i + R]
             slots = np.full(R, self.scratch_slot, np.int32)
             rows = np.zeros((R, self.vocab_size), np.float32)
             for j, (slot, bias) in enumerate(group):
                 slots[j], rows[j] = slot, bias
-            op = self.compiled("bias_rows", None, sampling_state)
             sampling_state = op(sampling_state, slots, rows)
         return sampling_state
