@@ -466,6 +466,7 @@ def test_a_prompt_over_max_model_len_is_refused_in_the_same_words_by_both_endpoi
         (CHAT, {"messages": [{"role": "user", "content": long_text}]}, "messages"),
         (CHAT, {"messages": [{"role": "user", "content": long_text}], "max_tokens": 4}, "messages"),
     ]
+    messages = {}
     with httpx.Client(base_url=server.url, timeout=60) as http:
         for path, body, param in bodies:
             r = http.post(path, json={"model": "tiny", **body}, headers=AUTH)
@@ -473,3 +474,6 @@ def test_a_prompt_over_max_model_len_is_refused_in_the_same_words_by_both_endpoi
             msg = r.json()["error"]["message"]
             assert msg.startswith("This model's maximum context length is 128 tokens."), msg
             assert "input tokens" in msg, msg
+            messages.setdefault((path, param), set()).add(msg)
+    # the same prompt gets the same words whether max_tokens is given or not
+    assert all(len(m) == 1 for m in messages.values()), messages

@@ -139,19 +139,14 @@ class InputProcessor:
         return ProcessedInput(text, ids, salt, params, bad_words, grammar)
 
     def _check_prompt_len(self, n: int, check_max_tokens: bool) -> None:
+        """Refuses a prompt of n tokens longer than max_model_len (or, when max_tokens is
+        checked too, one that leaves no room for output), in one wording either way."""
         m = self.model_config.max_model_len
-        if n > m and not check_max_tokens:
+        if n > m or (check_max_tokens and n == m):
+            full = ", which leaves no room for output" if n == m else ""
             raise InvalidInputError(
                 f"This model's maximum context length is {m} tokens. However, your request "
-                f"has {n} input tokens (max_model_len={m}). Please reduce the length of the "
-                "prompt.",
-                "prompt",
-            )
-        if check_max_tokens and n >= m:
-            raise InvalidInputError(
-                f"This model's maximum context length is {m} tokens. However, your request "
-                f"has {n} input tokens, which leaves no room for output. Please reduce "
-                "the length of the prompt.",
+                f"has {n} input tokens{full}. Please reduce the length of the prompt.",
                 "prompt",
             )
 
