@@ -201,7 +201,7 @@ def test_n_samples_share_the_prompt(llm16, prompts8):
     [
         ("", GREEDY, "empty", "prompt"),
         ({"prompt_token_ids": []}, GREEDY, "empty", "prompt"),
-        ({"prompt_token_ids": [5] * 129}, GREEDY, "max_model_len=128", "prompt"),
+        ({"prompt_token_ids": [5] * 129}, GREEDY, "maximum context length is 128 tokens", "prompt"),
         ({"prompt_token_ids": [5, 100000]}, GREEDY, "vocabulary", "prompt"),
         (3.5, GREEDY, "prompt must be", "prompt"),
         ("hi", SamplingParams(logprobs=21), "max_logprobs", "logprobs"),
