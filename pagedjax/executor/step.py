@@ -23,7 +23,6 @@ from flax import struct
 from pagedjax.executor.input_batch import PackedLayout
 from pagedjax.models import registry
 from pagedjax.ops.attention import METADATA_FIELDS, AttentionMetadata
-from pagedjax.ops.bitmask import maybe_apply_token_bitmask
 from pagedjax.ops.rejection_sampler import accepted_rows
 from pagedjax.ops.sampling import (
     SamplerOutput,
@@ -154,7 +153,6 @@ def step(
     want_logprobs = jnp.any(jnp.stack([a["want_logprobs"] for a in parts]) != 0)
     want_prompt = jnp.any(jnp.stack([a["want_prompt"] for a in parts]) != 0)
     use_bitmask = jnp.any(jnp.stack([a["use_bitmask"] for a in parts]) != 0)
-    logits = maybe_apply_token_bitmask(logits, bitmask, use_bitmask)
     prior = parts[0]["prior_drafts"] if layout.spec_width else None
     sampled = sample(
         logits,
@@ -163,6 +161,8 @@ def step(
         max_logprobs=max_logprobs,
         want_logprobs=want_logprobs,
         prior_tokens=prior,
+        bitmask=bitmask,
+        use_bitmask=use_bitmask,
     )
     if layout.spec_width:  # verify the proposals; only kept draws reach the counts
         a = parts[0]

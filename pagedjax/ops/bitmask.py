@@ -1,9 +1,10 @@
 """Token bitmasks of structured outputs, on the device: disallowed tokens' logits to -inf.
 
 The host (`structured_output.manager`) fills one int32 row per sampler row in llguidance's
-layout: bit j (least significant first) of word w allows token 32 w + j. The step applies it
-to the raw logits before every other sampling transform, and only in a step where some row is
-constrained (`lax.cond` on a scalar flag), so unconstrained batches skip it.
+layout: bit j (least significant first) of word w allows token 32 w + j. The sampler
+(`ops.sampling.sample`) applies it to the raw logits before every other sampling transform (and
+before the logprobs), and only in a step where some row is constrained (`lax.cond` on a
+scalar flag), so unconstrained batches skip it.
 """
 
 from __future__ import annotations
