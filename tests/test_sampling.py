@@ -327,10 +327,9 @@ def test_logprobs_are_raw_with_ranks_and_top_k():
 def _bitmask(allowed: np.ndarray) -> np.ndarray:
     """llguidance's layout: bit j of word w allows token 32 w + j. allowed: [S, V] bool."""
     S, V = allowed.shape
-    bits = np.zeros((S, -(-V // 32) * 32), np.uint64)
+    bits = np.zeros((S, -(-V // 32) * 32), bool)
     bits[:, :V] = allowed
-    words = (bits.reshape(S, -1, 32) << np.arange(32, dtype=np.uint64)).sum(-1)
-    return words.astype(np.uint32).view(np.int32)
+    return np.packbits(bits, axis=-1, bitorder="little").view("<i4")  # [S, ceil(V / 32)]
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -344,10 +343,9 @@ def test_bitmask_is_applied_before_sampling_and_logprobs(temperature, use_bitmas
     logits = jnp.asarray(rng.standard_normal((S, V)).astype(np.float32))
     allowed = rng.random((S, V)) < 0.3
     allowed[:, 0] = True
-    sm = _meta(S, temperature=temperature, seed=[4, 5, 6])
 
     @jax.jit
-    def run(logits, bitmask, flag):
+    def run(logits, sm, bitmask, flag):
         return sample(
             logits,
             sm,
@@ -358,7 +356,8 @@ def test_bitmask_is_applied_before_sampling_and_logprobs(temperature, use_bitmas
             use_bitmask=flag,
         )
 
-    out = run(logits, jnp.asarray(_bitmask(allowed)), jnp.bool_(use_bitmask))
+    sm = _meta(S, temperature=temperature, seed=[4, 5, 6])
+    out = run(logits, sm, jnp.asarray(_bitmask(allowed)), jnp.bool_(use_bitmask))
     masked = np.where(allowed, np.asarray(logits), -np.inf) if use_bitmask else np.asarray(logits)
     ids = np.asarray(out.token_ids)
     if use_bitmask:
