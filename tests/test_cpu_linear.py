@@ -25,9 +25,9 @@ from pagedjax.ops.quant import LINEAR_WEIGHTS, quantize_params
     "M, K, N",
     [
         (1, 24, 40),  # one row; N not a multiple of the 16-column micro-panel
-        (5, 300, 17),  # K spans two 256-deep slices; one partial panel
+        (5, 1100, 17),  # one row block (AVX-512, AVX2): K in 512, 512 and 76; a partial panel
         (13, 576, 192),  # two full 6-row blocks and a 1-row tail; narrow work items
-        (64, 600, 1536),  # a decode step's MLP shape; three K slices accumulate
+        (64, 600, 1536),  # a decode step's MLP shape; two equal K slices accumulate
         (7, 64, 1000),  # many work items, the last one partial
         (30, 520, 48),  # AVX-512's 12-row blocks and a 6-row tail; an odd panel count
         (97, 256, 96),  # rows past one 96-row pass (MC) of the AVX-512 and AVX2 paths

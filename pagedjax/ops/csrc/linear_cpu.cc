@@ -19,8 +19,10 @@
 //     output columns (fewer when W is narrow, so that each thread gets about eight), so W is
 //     read from memory once per call; above it (prefill), MC rows by 256 columns; for each
 //     KC = 256 slice of K, each 16 KB slice of a panel stays in L1 while the row blocks of x
-//     pass over it, MC = 8 MR rows at a time so that those stay in L2 (the decode plan takes
-//     KC_DECODE = 512 deep slices, read from L2);
+//     pass over it, MC = 8 MR rows at a time so that those stay in L2 (the decode plan cuts K
+//     into equal slices of at most KC_DECODE = 512, read from L2, and while a thread computes
+//     one item it prefetches the next item's panels into L2, so that the first row block of
+//     a slice does not wait on memory: `Prefetch`);
 //   - the micro-kernel keeps an MR x (PW * 16) block of y in registers and does its fused
 //     multiply-adds per k from PW 16-float rows of W and MR broadcasts of x; MR and PW
 //     per ISA path (simd.h): AVX-512 12 x 32 in 24 of 32 zmm registers, AVX2 6 x 16 in
@@ -90,21 +92,46 @@ constexpr int64_t DECODE_ROWS = 128;
 // AVX-512, 2 threads, the 30 layers of the default model plus its LM head in one scan,
 // alternating in one process, median of 16: against 256, M = 16 19.5 vs 22.3 ms, 32 28.6 vs
 // 35.2, 64 50.1 vs 54.8, 100 71.3 vs 74.3, 128 94.8 vs 99.2; the AVX2 path on the same CPU
-// 5-11 % faster at 16-100 rows; 576 and 768 were no better than 512.)
+// 5-11 % faster at 16-100 rows; 576 and 768 were no better than 512.) With more than MR rows
+// K is cut into equal slices of at most this depth (576: two of 288, not 512 and 64) and the
+// next item's panels are prefetched (`Prefetch`). Zen 5, 2 threads, the same 30 layers and
+// LM head, medians of 21 calls, three processes each way in turn: AVX-512 M = 16 20.9-23.3
+// -> 18.8-19.8 ms, 32 30.0-33.4 -> 24.1-24.2, 64 52.9-57.3 -> 46.6-48.0, 128 92.0-98.4 ->
+// 86.9-89.9; AVX2 16 33.2-35.8 -> 22.8-24.4, 32 54.9-57.7 -> 43.6-45.6, 64 94.0-98.8 ->
+// 77.8-84.0. (In one process: equal slices without the prefetch were 8 % slower than 512
+// and a tail, the prefetch without them gave about half the gain; prefetching two items
+// ahead, into L1, or slices of at most 384 or 256: no better.) Up to MR rows (one row block:
+// W is read once, nothing to reuse) neither helped, and that path is unchanged.
 constexpr int64_t KC_DECODE = 512;
+
+// Depth of the K slices of a problem of M rows (see KC_DECODE).
+int64_t SliceDepth(int64_t M, int64_t K) {
+  if (M > DECODE_ROWS) return KC;
+  if (M <= MR) return KC_DECODE;
+  const int64_t slices = (K + KC_DECODE - 1) / KC_DECODE;
+  return std::max<int64_t>(1, (K + slices - 1) / slices);
+}
 
 // y[0:R, 0:P * 16] (+)= xp[0:kc][0:R] @ (P panels wp, wp + pstride, ...)[0:kc][0:16];
 // ldy is y's row stride. With `accumulate`, the fused multiply-adds start from y's values, so
-// that a sum over k split into slices is the same chain as one over all of k.
-template <int R, int P>
+// that a sum over k split into slices is the same chain as one over all of k. With PF, the
+// cache line at pf + 64 j is prefetched into L2 at k = j * pf_every (j = 0, 1, ... while
+// k < kc); the result is the same.
+template <int R, int P, bool PF>
 void Micro(const float* __restrict xp, const float* __restrict wp, int64_t pstride, int64_t kc,
-           float* __restrict y, int64_t ldy, bool accumulate) {
+           float* __restrict y, int64_t ldy, bool accumulate, const char* pf, int64_t pf_every) {
   vf acc[R][P * NV];
   for (int r = 0; r < R; ++r)
     for (int q = 0; q < P; ++q)
       for (int v = 0; v < NV; ++v)
         acc[r][q * NV + v] = accumulate ? VLoad(y + r * ldy + q * NR + v * kVecFloats) : vf{};
+  int64_t next_pf = 0;
   for (int64_t k = 0; k < kc; ++k) {
+    if (PF && k == next_pf) {
+      __builtin_prefetch(pf, 0, 2);  // locality 2: prefetcht1, into L2
+      pf += 64;
+      next_pf += pf_every;
+    }
     vf w[P * NV];
     for (int q = 0; q < P; ++q)
       for (int v = 0; v < NV; ++v) w[q * NV + v] = VLoad(wp + q * pstride + NR * k + v * kVecFloats);
@@ -119,14 +146,20 @@ void Micro(const float* __restrict xp, const float* __restrict wp, int64_t pstri
         VStore(y + r * ldy + q * NR + v * kVecFloats, acc[r][q * NV + v]);
 }
 
-typedef void (*MicroFn)(const float*, const float*, int64_t, int64_t, float*, int64_t, bool);
+typedef void (*MicroFn)(const float*, const float*, int64_t, int64_t, float*, int64_t, bool,
+                        const char*, int64_t);
 
-template <int P, size_t... I>
+template <int P, bool PF, size_t... I>
 constexpr auto MicroTable(std::index_sequence<I...>) {
-  return std::array<MicroFn, MR + 1>{nullptr, Micro<int(I) + 1, P>...};
+  return std::array<MicroFn, MR + 1>{nullptr, Micro<int(I) + 1, P, PF>...};
 }
-constexpr auto kMicro1 = MicroTable<1>(std::make_index_sequence<MR>{});  // one panel
-constexpr auto kMicroW = MicroTable<PW>(std::make_index_sequence<MR>{});  // PW panels
+// [prefetching][rows]: one panel, PW panels
+constexpr std::array<std::array<MicroFn, MR + 1>, 2> kMicro1 = {
+    MicroTable<1, false>(std::make_index_sequence<MR>{}),
+    MicroTable<1, true>(std::make_index_sequence<MR>{})};
+constexpr std::array<std::array<MicroFn, MR + 1>, 2> kMicroW = {
+    MicroTable<PW, false>(std::make_index_sequence<MR>{}),
+    MicroTable<PW, true>(std::make_index_sequence<MR>{})};
 
 struct Problem {
   const float* x;  // [M, K]
@@ -149,12 +182,41 @@ void PackBlock(Problem& p, int64_t b) {
   }
 }
 
-// Output rows [m_lo, m_hi) x columns [j0, j0 + cols), cols <= item_cols.
-void RunItem(const Problem& p, int64_t m_lo, int64_t m_hi, int64_t j0, int64_t cols) {
+// Cache lines to prefetch while an item is computed (the next item's panels), handed out in
+// equal shares to the item's micro-kernel calls, each spreading its share over its k loop.
+struct Prefetch {
+  const char* next = nullptr;  // the next line to prefetch
+  int64_t lines = 0;           // lines left
+  int64_t per_call = 0;        // lines per micro-kernel call
+
+  // This call's share for a k loop of kc: sets *every (k between prefetches); returns its
+  // first line, or nullptr when nothing is left.
+  const char* Take(int64_t kc, int64_t* every) {
+    const int64_t n = std::min(per_call, lines);
+    if (n <= 0 || kc <= 0) return nullptr;
+    *every = std::max<int64_t>(1, kc / n);
+    const int64_t issued = std::min(n, (kc + *every - 1) / *every);
+    const char* first = next;
+    next += issued * 64;
+    lines -= issued;
+    return first;
+  }
+};
+
+// Output rows [m_lo, m_hi) x columns [j0, j0 + cols), cols <= item_cols; prefetches
+// `pf_lines` cache lines from `pf` (0: none) along the way.
+void RunItem(const Problem& p, int64_t m_lo, int64_t m_hi, int64_t j0, int64_t cols,
+             const char* pf = nullptr, int64_t pf_lines = 0) {
   alignas(64) float tile[MR * NR];  // a partial micro-panel's output, before its copy to y
   const int64_t panels = (cols + NR - 1) / NR;
   const int64_t pstride = p.K * NR;  // floats between consecutive panels
-  const int64_t KS = p.M <= DECODE_ROWS ? KC_DECODE : KC;
+  const int64_t KS = SliceDepth(p.M, p.K);
+  Prefetch prefetch;
+  if (pf != nullptr && pf_lines > 0) {
+    const int64_t col_steps = cols / (PW * NR) + (cols % (PW * NR) + NR - 1) / NR;
+    const int64_t calls = (p.K + KS - 1) / KS * col_steps * ((m_hi - m_lo + MR - 1) / MR);
+    prefetch = {pf, pf_lines, (pf_lines + calls - 1) / calls};
+  }
   for (int64_t k0 = 0; k0 < p.K; k0 += KS) {
     const int64_t kc = std::min(KS, p.K - k0);
     for (int64_t mc0 = m_lo; mc0 < m_hi; mc0 += MC) {
@@ -170,14 +232,17 @@ void RunItem(const Problem& p, int64_t m_lo, int64_t m_hi, int64_t j0, int64_t c
           const int64_t rows = std::min(MR, p.M - m0);
           const float* xp = p.xp.data() + m0 * p.K + k0 * MR;
           float* y = p.y + m0 * p.N + c0;
+          int64_t every = 0;
+          const char* cpf = prefetch.Take(kc, &every);
+          const int with_pf = cpf != nullptr;
           if (wide) {
-            kMicroW[rows](xp, panel, pstride, kc, y, p.N, k0 > 0);
+            kMicroW[with_pf][rows](xp, panel, pstride, kc, y, p.N, k0 > 0, cpf, every);
           } else if (width == NR) {
-            kMicro1[rows](xp, panel, pstride, kc, y, p.N, k0 > 0);
+            kMicro1[with_pf][rows](xp, panel, pstride, kc, y, p.N, k0 > 0, cpf, every);
           } else {
             for (int64_t r = 0; r < rows; ++r)
               for (int64_t c = 0; c < NR; ++c) tile[r * NR + c] = c < width ? y[r * p.N + c] : 0.0f;
-            kMicro1[rows](xp, panel, pstride, kc, tile, NR, k0 > 0);
+            kMicro1[with_pf][rows](xp, panel, pstride, kc, tile, NR, k0 > 0, cpf, every);
             for (int64_t r = 0; r < rows; ++r)
               std::memcpy(y + r * p.N, tile + r * NR, width * sizeof(float));
           }
@@ -221,10 +286,20 @@ int64_t PlanItems(Problem& p, int64_t threads) {
   return p.col_items * ((p.M + p.item_rows - 1) / p.item_rows);
 }
 
-// Work item i of PlanItems' plan.
-void RunPlanned(const Problem& p, int64_t i) {
+// Work item i of PlanItems' plan; with next >= 0, item `next`'s panels (its columns of W over
+// all of K) are prefetched into L2 meanwhile.
+void RunPlanned(const Problem& p, int64_t i, int64_t next = -1) {
   const int64_t j0 = (i % p.col_items) * p.item_cols, m0 = (i / p.col_items) * p.item_rows;
-  RunItem(p, m0, std::min(p.M, m0 + p.item_rows), j0, std::min(p.item_cols, p.N - j0));
+  const char* pf = nullptr;
+  int64_t pf_lines = 0;
+  if (next >= 0) {
+    const int64_t n0 = (next % p.col_items) * p.item_cols;
+    const int64_t next_panels = (std::min(p.item_cols, p.N - n0) + NR - 1) / NR;
+    pf = reinterpret_cast<const char*>(p.w + (n0 / NR) * p.K * NR);
+    pf_lines = next_panels * p.K * NR * int64_t(sizeof(float)) / 64;
+  }
+  RunItem(p, m0, std::min(p.M, m0 + p.item_rows), j0, std::min(p.item_cols, p.N - j0), pf,
+          pf_lines);
 }
 
 ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
@@ -256,9 +331,12 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
   // Decode-plan items are column ranges of W in memory order: one contiguous run of them per
   // thread (`ParallelRanges`; a float32 decode step of one sequence, in one process in
   // alternating blocks of 20 steps against interleaved items: 1.25 ms faster of 31, median of
-  // 16 rounds, faster in 13).
+  // 16 rounds, faster in 13). With more than one row block, each item prefetches the next of
+  // its thread's run (see KC_DECODE).
   if (p.M <= DECODE_ROWS)
-    pagedjax::ParallelRanges(pool, items, [&p](int64_t i, int64_t) { RunPlanned(p, i); });
+    pagedjax::ParallelRanges(pool, items, [&p](int64_t i, int64_t end) {
+      RunPlanned(p, i, p.M > MR && i + 1 < end ? i + 1 : -1);
+    });
   else
     ParallelFor(pool, items, [&p](int64_t i) { RunPlanned(p, i); });
   return ffi::Error::Success();
