@@ -98,7 +98,9 @@ constexpr int64_t DECODE_ROWS = 128;
 // LM head, medians of 21 calls, three processes each way in turn: AVX-512 M = 16 20.9-23.3
 // -> 18.8-19.8 ms, 32 30.0-33.4 -> 24.1-24.2, 64 52.9-57.3 -> 46.6-48.0, 128 92.0-98.4 ->
 // 86.9-89.9; AVX2 16 33.2-35.8 -> 22.8-24.4, 32 54.9-57.7 -> 43.6-45.6, 64 94.0-98.8 ->
-// 77.8-84.0. (In one process: equal slices without the prefetch were 8 % slower than 512
+// 77.8-84.0. Measured again hours later, when the same machine was quieter (M = 64 at 41.4
+// ms before and after): no difference either way at 16-128 rows, so the gain is where
+// memory is slow or shared. (In one process: equal slices without the prefetch were 8 % slower than 512
 // and a tail, the prefetch without them gave about half the gain; prefetching two items
 // ahead, into L1, or slices of at most 384 or 256: no better.) Up to MR rows (one row block:
 // W is read once, nothing to reuse) neither helped, and that path is unchanged.
