@@ -100,11 +100,13 @@ constexpr int64_t DECODE_ROWS = 128;
 // 86.9-89.9; AVX2 16 33.2-35.8 -> 22.8-24.4, 32 54.9-57.7 -> 43.6-45.6, 64 94.0-98.8 ->
 // 77.8-84.0. Measured again hours later, when the same machine was quieter (M = 64 at 41.4
 // ms before and after): no difference either way at 16-128 rows, so the gain is where
-// memory is slow or shared. (In one process: equal slices without the prefetch were 8 % slower than 512
-// and a tail, the prefetch without them gave about half the gain; prefetching two items
-// ahead, into L1, or slices of at most 384 or 256: no better.) Up to MR rows (one row block:
-// W is read once, nothing to reuse) neither helped, and that path is unchanged.
+// memory is slow or shared. (In one process: equal slices without the prefetch were 8 %
+// slower than 512 and a tail, the prefetch without them gave about half the gain;
+// prefetching two items ahead, into L1, or slices of at most 384 or 256: no better.) Up to
+// MR rows (one row block: W is read once, nothing to reuse) neither helped, and that path
+// is unchanged.
 constexpr int64_t KC_DECODE = 512;
+constexpr int64_t kLineBytes = 64;  // a cache line: the unit of `Prefetch`
 
 // Depth of the K slices of a problem of M rows (see KC_DECODE).
 int64_t SliceDepth(int64_t M, int64_t K) {
@@ -117,7 +119,7 @@ int64_t SliceDepth(int64_t M, int64_t K) {
 // y[0:R, 0:P * 16] (+)= xp[0:kc][0:R] @ (P panels wp, wp + pstride, ...)[0:kc][0:16];
 // ldy is y's row stride. With `accumulate`, the fused multiply-adds start from y's values, so
 // that a sum over k split into slices is the same chain as one over all of k. With PF, the
-// cache line at pf + 64 j is prefetched into L2 at k = j * pf_every (j = 0, 1, ... while
+// cache line at pf + kLineBytes j is prefetched into L2 at k = j * pf_every (j = 0, 1, ... while
 // k < kc); the result is the same.
 template <int R, int P, bool PF>
 void Micro(const float* __restrict xp, const float* __restrict wp, int64_t pstride, int64_t kc,
@@ -131,7 +133,7 @@ void Micro(const float* __restrict xp, const float* __restrict wp, int64_t pstri
   for (int64_t k = 0; k < kc; ++k) {
     if (PF && k == next_pf) {
       __builtin_prefetch(pf, 0, 2);  // locality 2: prefetcht1, into L2
-      pf += 64;
+      pf += kLineBytes;
       next_pf += pf_every;
     }
     vf w[P * NV];
@@ -195,11 +197,11 @@ struct Prefetch {
   // first line, or nullptr when nothing is left.
   const char* Take(int64_t kc, int64_t* every) {
     const int64_t n = std::min(per_call, lines);
-    if (n <= 0 || kc <= 0) return nullptr;
+    if (n <= 0) return nullptr;
     *every = std::max<int64_t>(1, kc / n);
     const int64_t issued = std::min(n, (kc + *every - 1) / *every);
     const char* first = next;
-    next += issued * 64;
+    next += issued * kLineBytes;
     lines -= issued;
     return first;
   }
@@ -298,7 +300,7 @@ void RunPlanned(const Problem& p, int64_t i, int64_t next = -1) {
     const int64_t n0 = (next % p.col_items) * p.item_cols;
     const int64_t next_panels = (std::min(p.item_cols, p.N - n0) + NR - 1) / NR;
     pf = reinterpret_cast<const char*>(p.w + (n0 / NR) * p.K * NR);
-    pf_lines = next_panels * p.K * NR * int64_t(sizeof(float)) / 64;
+    pf_lines = next_panels * p.K * NR * int64_t(sizeof(float)) / kLineBytes;
   }
   RunItem(p, m0, std::min(p.M, m0 + p.item_rows), j0, std::min(p.item_cols, p.N - j0), pf,
           pf_lines);
