@@ -28,6 +28,7 @@ from pagedjax.ops.sampling import (
     SamplerOutput,
     SamplingMetadata,
     count_sampled,
+    largest_divisor,
     prompt_logprobs,
     sample,
 )
@@ -179,7 +180,7 @@ def step(
             hidden,
             cat("prompt_targets"),
             max_logprobs=k,
-            chunk=_largest_divisor(T, PROMPT_LOGPROBS_CHUNK),
+            chunk=largest_divisor(T, PROMPT_LOGPROBS_CHUNK),
         )
 
     def without():
@@ -215,10 +216,6 @@ def _logits_of_rows(model, params, rows, num_rows, cfg):
 
     out = jnp.zeros((S + pad, cfg.vocab_size), jnp.float32)
     return jax.lax.fori_loop(0, (num_rows + R - 1) // R, block, out)[:S]
-
-
-def _largest_divisor(n: int, at_most: int) -> int:
-    return max(c for c in range(1, min(n, at_most) + 1) if n % c == 0)
 
 
 def copy_blocks(kv_cache, src, dst):
