@@ -499,3 +499,40 @@ def test_sampler_temporaries_stay_under_glibcs_largest_mmap_threshold():
     )
     temp = compiled.memory_analysis().temp_size_in_bytes
     assert temp < 16 * 2**20, temp / 2**20
+
+
+def test_lm_head_and_sampler_in_row_blocks_of_a_large_step():
+    """A step with more sampler rows than LOGITS_ROW_BLOCK runs the LM head and the sampler
+    one block at a time, up to the block of the last real row: 150 rows (3 blocks of 64, the
+    last padded), 100 of them real, give the real rows the tokens, logprobs and top-k of
+    sampling all 150 rows' logits at once, and zeros in the block past them."""
+    from pagedjax.executor.step import LOGITS_ROW_BLOCK, _sample_in_row_blocks
+
+    S, V, real = 150, 300, 100
+    R = LOGITS_ROW_BLOCK
+    assert R < real < 2 * R < S < 3 * R
+    rng = np.random.default_rng(9)
+    rows = jnp.asarray(rng.standard_normal((S, 1)).astype(np.float32))
+    w = jnp.asarray(rng.standard_normal((V,)).astype(np.float32) * 3)
+    offset = jnp.asarray(rng.standard_normal((V,)).astype(np.float32))
+
+    def head(x, num_rows):  # no reduction: the same bits whatever the block
+        return x * w + offset
+
+    r = np.arange(S)
+    sm = _meta(S, temperature=np.where(r % 2 == 0, 0.0, 0.8), top_k=np.where(r % 3 == 0, 5, 0))
+
+    def sample_rows(logits, sm, prior, mask):
+        assert prior is None and mask is None
+        return sample(logits, sm, _state(S, V), max_logprobs=4, want_logprobs=jnp.bool_(True))
+
+    got = jax.jit(
+        lambda rows, n, sm: _sample_in_row_blocks(head, sample_rows, rows, n, (sm, None, None))
+    )(rows, jnp.int32(real), sm)
+    want = jax.jit(lambda rows, sm: sample_rows(head(rows, S), sm, None, None))(rows, sm)
+    for field in ("token_ids", "logprobs", "ranks", "top_ids", "top_logprobs"):
+        g, x = np.asarray(getattr(got, field)), np.asarray(getattr(want, field))
+        assert g.shape == x.shape
+        np.testing.assert_array_equal(g[:real], x[:real])
+        assert not np.any(g[2 * R :])
+    assert len(set(np.asarray(got.token_ids)[:real].tolist())) > 10

@@ -23,13 +23,14 @@ from flax import struct
 from pagedjax.executor.input_batch import PackedLayout
 from pagedjax.models import registry
 from pagedjax.ops.attention import METADATA_FIELDS, AttentionMetadata
+from pagedjax.ops.prompt_logprobs import prompt_logprobs
 from pagedjax.ops.rejection_sampler import accepted_rows
 from pagedjax.ops.sampling import (
+    SAMPLE_BLOCK_ROWS,
     SamplerOutput,
     SamplingMetadata,
     count_sampled,
     largest_divisor,
-    prompt_logprobs,
     sample,
 )
 from pagedjax.sharding.expert import mesh_context
@@ -74,6 +75,7 @@ def step(
     mesh=None,
     num_microbatches: int = 0,
     stages=None,
+    sample_block_rows: int = SAMPLE_BLOCK_ROWS,
 ):
     """One engine step: the model over the flat batch, logits of each sequence's last token,
     the structured-output `bitmask` ([rows, ceil(V / 32)] int32, one row per sampler row;
@@ -86,7 +88,8 @@ def step(
     tokens, in micro-batch order; `stages` (a `sharding.stages.StageLayout`, or None for an
     even split) says which layers each stage runs. Without pipeline parallelism, `mesh` (or
     None) is the context mesh of the model (expert parallelism reads it). The model is the
-    registry's for `cfg.architecture`.
+    registry's for `cfg.architecture`. `sample_block_rows`: rows per block of the sampler's
+    and prompt logprobs' [rows, V] work (`ops.sampling.by_row_blocks`; 0: all at once).
     """
     model = registry.get_model(cfg.architecture)
     if num_microbatches:
@@ -123,13 +126,6 @@ def step(
                 attention_backend=backend,
             )  # [T, D]
         rows = hidden[a["logits_indices"]]  # [S, D]
-    if num_microbatches:
-        # [M * S, V]: rows of M parts interleave
-        logits = model.compute_logits(params, rows, cfg=cfg)
-    else:
-        # The real rows come first.
-        real = parts[0]["num_rows"] if layout.spec_width else jnp.sum(parts[0]["seq_lens"] > 0)
-        logits = _logits_of_rows(model, params, rows, real, cfg)  # [R, V]
 
     def cat(name):
         return jnp.concatenate([a[name] for a in parts])
@@ -155,16 +151,27 @@ def step(
     want_prompt = jnp.any(jnp.stack([a["want_prompt"] for a in parts]) != 0)
     use_bitmask = jnp.any(jnp.stack([a["use_bitmask"] for a in parts]) != 0)
     prior = parts[0]["prior_drafts"] if layout.spec_width else None
-    sampled = sample(
-        logits,
-        sm,
-        sampling_state,
-        max_logprobs=max_logprobs,
-        want_logprobs=want_logprobs,
-        prior_tokens=prior,
-        bitmask=bitmask,
-        use_bitmask=use_bitmask,
-    )
+
+    def sample_rows(logits, sm, prior, bitmask):
+        return sample(
+            logits,
+            sm,
+            sampling_state,
+            max_logprobs=max_logprobs,
+            want_logprobs=want_logprobs,
+            prior_tokens=prior,
+            bitmask=bitmask,
+            use_bitmask=use_bitmask,
+            block_rows=sample_block_rows,
+        )
+
+    if num_microbatches:  # [M * S, V]: rows of M parts interleave
+        sampled = sample_rows(model.compute_logits(params, rows, cfg=cfg), sm, prior, bitmask)
+    else:
+        # The real rows come first.
+        real = parts[0]["num_rows"] if layout.spec_width else jnp.sum(parts[0]["seq_lens"] > 0)
+        head = functools.partial(model.compute_logits, params, cfg=cfg)
+        sampled = _sample_in_row_blocks(head, sample_rows, rows, real, (sm, prior, bitmask))
     if layout.spec_width:  # verify the proposals; only kept draws reach the counts
         a = parts[0]
         kept = accepted_rows(sampled.token_ids, a["draft_token"], a["row_start"])
@@ -181,6 +188,7 @@ def step(
             cat("prompt_targets"),
             max_logprobs=k,
             chunk=largest_divisor(T, PROMPT_LOGPROBS_CHUNK),
+            block_rows=sample_block_rows,
         )
 
     def without():
@@ -195,27 +203,50 @@ def step(
     return StepOutput(sampled, kept, plp, prank, pids, plps), kv_cache, sampling_state
 
 
-def _logits_of_rows(model, params, rows, num_rows, cfg):
-    """LM head (`model.compute_logits`, one `ops.linear.linear` call per block) of the first
-    `num_rows` of `rows` [S, D] -> [S, V] float32, in blocks of LOGITS_ROW_BLOCK rows up to
-    num_rows: a prefill step of a few long prompts has a large S but few rows to sample.
-    Rows past num_rows are zeros, except for a plain (not pre-packed) head when
-    S <= LOGITS_ROW_BLOCK, which computes them."""
+def _sample_in_row_blocks(head, sample_rows, rows, num_rows, per_row):
+    """LM head and sampler of the first `num_rows` of `rows` [S, D], LOGITS_ROW_BLOCK rows at
+    a time up to num_rows when S is larger: a prefill step of a few long prompts has a large S
+    but few rows to sample, and a block's [LOGITS_ROW_BLOCK, V] logits are all the logits the
+    step holds at once (an [S, V] array of 256 rows is 50 MB of temporaries that XLA's CPU
+    client would map afresh every step; see `ops.sampling`).
+
+    Args:
+        head: hidden [B, D], num_rows -> logits [B, V] float32 (`model.compute_logits`).
+        sample_rows: logits [B, V], *per_row -> a `SamplerOutput` of B rows.
+        rows: [S, D] the sampler rows' final hidden states.
+        num_rows: scalar int32, the real rows (which come first).
+        per_row: a pytree of arrays (None allowed) with S rows on their leading axis, passed
+            to `sample_rows` block by block.
+
+    Returns:
+        The `SamplerOutput` of the S rows. Rows past num_rows hold the sampler's draws from
+        what the head gives for them, or zeros in a block wholly past num_rows.
+    """
     S = rows.shape[0]
     R = LOGITS_ROW_BLOCK
     if S <= R:
-        return model.compute_logits(params, rows, num_rows, cfg=cfg)
+        return sample_rows(head(rows, num_rows), *per_row)
     pad = -(-S // R) * R - S
-    rows = jnp.pad(rows, ((0, pad), (0, 0)))
+
+    def padded(a):
+        return jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1))
+
+    rows, per_row = padded(rows), jax.tree.map(padded, per_row)
 
     def block(b, out):
         x = jax.lax.dynamic_slice_in_dim(rows, b * R, R)
-        return jax.lax.dynamic_update_slice_in_dim(
-            out, model.compute_logits(params, x, num_rows - b * R, cfg=cfg), b * R, axis=0
+        args = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, b * R, R), per_row)
+        got = sample_rows(head(x, num_rows - b * R), *args)
+        return jax.tree.map(
+            lambda o, g: jax.lax.dynamic_update_slice_in_dim(o, g, b * R, axis=0), out, got
         )
 
-    out = jnp.zeros((S + pad, cfg.vocab_size), jnp.float32)
-    return jax.lax.fori_loop(0, (num_rows + R - 1) // R, block, out)[:S]
+    shapes = jax.eval_shape(
+        lambda: sample_rows(head(rows[:R], R), *jax.tree.map(lambda a: a[:R], per_row))
+    )
+    out = jax.tree.map(lambda t: jnp.zeros((S + pad, *t.shape[1:]), t.dtype), shapes)
+    out = jax.lax.fori_loop(0, (num_rows + R - 1) // R, block, out)
+    return jax.tree.map(lambda a: a[:S], out)
 
 
 def copy_blocks(kv_cache, src, dst):

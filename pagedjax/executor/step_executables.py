@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from pagedjax.executor import step as step_fn
 from pagedjax.executor.input_batch import BatchBuilder
+from pagedjax.ops.sampling import SAMPLE_BLOCK_ROWS
 from pagedjax.sharding.rules import ShardingPlan
 
 logger = logging.getLogger(__name__)
@@ -32,12 +33,23 @@ STATIC_ARGNAMES = (
     "mesh",
     "num_microbatches",
     "stages",
+    "sample_block_rows",
 )
 
 
 def abstract(tree):
     """`jax.ShapeDtypeStruct`s (with shardings) of a pytree of arrays."""
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
+def sample_block_rows(mesh) -> int:
+    """Rows per block of the sampler's [rows, V] work (`ops.sampling.by_row_blocks`): blocks
+    keep a CPU step's temporaries small (`ops.sampling`); on several devices, whose
+    vocabulary-sharded logits need collectives in every block, or an accelerator, all rows
+    at once (0)."""
+    devices = mesh.devices.flat
+    one_cpu = mesh.devices.size == 1 and devices[0].platform == "cpu"
+    return SAMPLE_BLOCK_ROWS if one_cpu else 0
 
 
 class StepExecutables:
@@ -106,6 +118,7 @@ class StepExecutables:
             layout=layout,
             mesh=self.plan.mesh if M or expert_parallel else None,
             num_microbatches=M,
+            sample_block_rows=sample_block_rows(self.plan.mesh),
             **self.static,
         )
 

@@ -308,6 +308,7 @@ def sample(
     prior_tokens: jax.Array | None = None,
     bitmask: jax.Array | None = None,
     use_bitmask: jax.Array | bool = False,
+    block_rows: int = SAMPLE_BLOCK_ROWS,
 ) -> SamplerOutput:
     """Draws one token per row.
 
@@ -324,6 +325,8 @@ def sample(
         bitmask: [S, ceil(V / 32)] int32 or None: the structured-output token bitmask
             (`ops.bitmask`), applied to the logits before everything else (the logprobs
             included) when the scalar bool `use_bitmask` is set.
+        block_rows: static; rows per block of the work past the plain-greedy argmax
+            (`by_row_blocks`; 0: all rows at once).
 
     Returns:
         A `SamplerOutput`.
@@ -364,14 +367,14 @@ def sample(
     ids = jax.lax.cond(
         plain,
         lambda: argmax(logits),
-        lambda: by_row_blocks(drawn_ids, logits, sm, prior_tokens, bitmask),
+        lambda: by_row_blocks(drawn_ids, logits, sm, prior_tokens, bitmask, block_rows=block_rows),
     )
     S, V = logits.shape
     max_logprobs = min(max_logprobs, V)
 
     def logprobs_of(logits, ids, mask):
         logprobs = jax.nn.log_softmax(masked(logits, mask), axis=-1)  # raw distribution
-        return _logprob_summary(logprobs, ids, max_logprobs)
+        return logprob_summary(logprobs, ids, max_logprobs)
 
     def without():
         return (
@@ -382,12 +385,14 @@ def sample(
         )
 
     chosen, ranks, top_ids, top_lp = jax.lax.cond(
-        want_logprobs, lambda: by_row_blocks(logprobs_of, logits, ids, bitmask), without
+        want_logprobs,
+        lambda: by_row_blocks(logprobs_of, logits, ids, bitmask, block_rows=block_rows),
+        without,
     )
     return SamplerOutput(ids, chosen, ranks, top_ids, top_lp)
 
 
-def _logprob_summary(logprobs: jax.Array, ids: jax.Array, k: int):
+def logprob_summary(logprobs: jax.Array, ids: jax.Array, k: int):
     """Of [S, V] logprobs and [S] chosen ids: the chosen tokens' logprobs [S] and ranks [S]
     int32 (1 + the number of tokens strictly more likely), and the top-k ids [S, k] int32 and
     logprobs [S, k]."""
@@ -397,19 +402,19 @@ def _logprob_summary(logprobs: jax.Array, ids: jax.Array, k: int):
     return chosen, ranks.astype(jnp.int32), top_ids.astype(jnp.int32), top_lp
 
 
-def by_row_blocks(fn, *args):
-    """`fn(*args)` computed SAMPLE_BLOCK_ROWS rows at a time (`lax.map`), for a function whose
-    rows do not depend on each other.
+def by_row_blocks(fn, *args, block_rows: int = SAMPLE_BLOCK_ROWS):
+    """`fn(*args)` computed `block_rows` rows at a time (`lax.map`), for a function whose rows
+    do not depend on each other.
 
     Every array in `args` (pytrees; None allowed) has the rows as its leading axis, S of
     them; `fn` returns a pytree of arrays that do too. The blocks hold the largest divisor of
-    S up to SAMPLE_BLOCK_ROWS rows (all S in one call when S is at most that). Each [S, V]
-    intermediate of `fn` then lives as a [block, V] one: XLA's CPU client allocates a step's
-    temporaries afresh for every call; kept under 32 MiB, that memory is reused rather than
-    mapped anew (module docstring).
+    S up to `block_rows` rows (all S in one call when S is at most that, or block_rows is 0).
+    Each [S, V] intermediate of `fn` then lives as a [block, V] one: XLA's CPU client
+    allocates a step's temporaries afresh for every call; kept under 32 MiB, that memory is
+    reused rather than mapped anew (module docstring).
     """
     S = jax.tree.leaves(args)[0].shape[0]
-    b = largest_divisor(S, SAMPLE_BLOCK_ROWS)
+    b = largest_divisor(S, block_rows) if block_rows > 0 else S
     if b == S:
         return fn(*args)
     n = S // b
@@ -451,47 +456,3 @@ def init_state_rows(
 def set_bias_rows(state: SamplingState, slots: jax.Array, bias: jax.Array) -> SamplingState:
     """state.bias[slots] = bias. slots: [B] int32; bias: [B, V] float32."""
     return state.replace(bias=state.bias.at[slots].set(bias))
-
-
-def prompt_logprobs(
-    logits_fn, hidden: jax.Array, targets: jax.Array, *, max_logprobs: int, chunk: int
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """Logprobs of each next prompt token, chunk by chunk (bounded memory).
-
-    Args:
-        logits_fn: hidden [C, D] -> logits [C, V] float32.
-        hidden: [T, D] the step's final hidden states.
-        targets: [T] int32, the prompt token each position predicts, -1 where none.
-        max_logprobs, chunk: static; chunk divides T.
-
-    Returns:
-        target logprobs [T], target ranks [T], top ids [T, k], top logprobs [T, k].
-    """
-    T = hidden.shape[0]
-    max_logprobs = min(max_logprobs, logits_fn(hidden[:1]).shape[-1])
-
-    def body(c, acc):
-        lp_t, rk_t, ids_t, lp_k = acc
-        h = jax.lax.dynamic_slice_in_dim(hidden, c * chunk, chunk)
-        tgt = jax.lax.dynamic_slice_in_dim(targets, c * chunk, chunk)
-
-        def summary(logits, tgt):
-            lp = jax.nn.log_softmax(logits, axis=-1)
-            return _logprob_summary(lp, jnp.maximum(tgt, 0), max_logprobs)
-
-        t_lp, t_rk, top_ids, top_lp = by_row_blocks(summary, logits_fn(h), tgt)  # [chunk, V]
-        start = c * chunk
-        return (
-            jax.lax.dynamic_update_slice_in_dim(lp_t, t_lp, start, 0),
-            jax.lax.dynamic_update_slice_in_dim(rk_t, t_rk, start, 0),
-            jax.lax.dynamic_update_slice_in_dim(ids_t, top_ids, start, 0),
-            jax.lax.dynamic_update_slice_in_dim(lp_k, top_lp, start, 0),
-        )
-
-    init = (
-        jnp.zeros((T,), jnp.float32),
-        jnp.zeros((T,), jnp.int32),
-        jnp.zeros((T, max_logprobs), jnp.int32),
-        jnp.zeros((T, max_logprobs), jnp.float32),
-    )
-    return jax.lax.fori_loop(0, T // chunk, body, init)
