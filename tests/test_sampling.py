@@ -536,3 +536,18 @@ def test_lm_head_and_sampler_in_row_blocks_of_a_large_step():
         np.testing.assert_array_equal(g[:real], x[:real])
         assert not np.any(g[2 * R :])
     assert len(set(np.asarray(got.token_ids)[:real].tolist())) > 10
+
+
+def test_sampler_row_blocks_only_on_one_cpu_device():
+    """The step samples in row blocks on one CPU device only: on several devices its logits
+    are sharded over the vocabulary and every block would carry collectives (the MoE
+    sharding test counts them), on an accelerator glibc's mmap threshold does not apply."""
+    from types import SimpleNamespace
+
+    from pagedjax.executor.step_executables import sample_block_rows
+
+    cpu = jax.devices("cpu")[0]
+    gpu = SimpleNamespace(platform="gpu")
+    assert sample_block_rows(SimpleNamespace(devices=np.array([[cpu]]))) == SAMPLE_BLOCK_ROWS
+    assert sample_block_rows(SimpleNamespace(devices=np.array([[cpu, cpu]]))) == 0
+    assert sample_block_rows(SimpleNamespace(devices=np.array([[gpu]], dtype=object))) == 0

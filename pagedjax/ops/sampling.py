@@ -32,14 +32,16 @@ copy of them: XLA gives a conditional's result a buffer of its own, 12.6 MB for 
 49,152-token vocabulary, in memory the CPU client maps afresh for every step.)
 
 Everything past that argmax (steps 1-5 and the logprobs) runs on blocks of at most
-SAMPLE_BLOCK_ROWS rows (`by_row_blocks`), so its [rows, V] intermediates take [8, V] each,
-not [S, V]. XLA's CPU client allocates a step's temporaries in one block, afresh for every
-call, and glibc serves a block over 32 MiB (its largest mmap threshold) with a new mapping
-that faults in page by page; below that, it reuses the memory freed by the step before. With
-the sampler's [S, V] buffers, a 64-row decode step of a 49,152-token vocabulary needed 85 MiB
-of temporaries and took about 3,950 page faults per step; in row blocks it needs 27 MiB and
-takes none. A row's results do not depend on its block's other rows (a block's `lax.cond`s
-choose between computations that agree on the rows that do not need them).
+SAMPLE_BLOCK_ROWS rows (`by_row_blocks`; the step asks for that on one CPU device, and for
+all rows at once where the logits are sharded over devices or live on an accelerator), so
+its [rows, V] intermediates take [8, V] each, not [S, V]. XLA's CPU client allocates a
+step's temporaries in one block, afresh for every call, and glibc serves a block over 32 MiB
+(its largest mmap threshold) with a new mapping that faults in page by page; below that, it
+reuses the memory freed by the step before. With the sampler's [S, V] buffers, a 64-row
+decode step of a 49,152-token vocabulary needed 85 MiB of temporaries and took about 3,950
+page faults per step; in row blocks it needs 27 MiB and takes none. A row's results do not
+depend on its block's other rows (a block's `lax.cond`s choose between computations that
+agree on the rows that do not need them).
 """
 
 from __future__ import annotations
