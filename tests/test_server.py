@@ -513,38 +513,6 @@ def test_disconnecting_streaming_clients_abort_and_free_every_block(server, clie
     assert res.choices[0].text == ref
 
 
-def test_disconnecting_non_streaming_clients_abort(server):
-    """Raw sockets send 8 non-streamed requests of 110 tokens each, wait until the engine
-    has admitted them, and hang up: all 8 are aborted, none finishes, every block is free."""
-    before = wait_idle(server.url)
-    payload = b'{"model": "tiny", "prompt": "Tell me", "max_tokens": 110, "ignore_eos": true}'
-    request = (
-        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-        b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(payload), payload)
-    )
-
-    async def main():
-        conns = [await asyncio.open_connection("127.0.0.1", server.port) for _ in range(8)]
-        for _, writer in conns:
-            writer.write(request)
-            await writer.drain()
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            m = await asyncio.to_thread(read_metrics, server.url)
-            if m["vllm:num_requests_running"] + m["vllm:num_requests_waiting"] == 8:
-                break
-            await asyncio.sleep(0.01)
-        for _, writer in conns:
-            writer.close()
-
-    asyncio.run(main())
-    after = wait_idle(server.url)
-    assert after["vllm:num_requests_running"] == 0
-    assert after["pagedjax:kv_cache_free_blocks"] == num_blocks(server.url)
-    assert _reason_delta(before, after, "abort") == 8
-    assert _reason_delta(before, after, "length") == 0
-
-
 def test_sigterm_finishes_in_flight_requests_and_exits_0(server, llm):
     """Last in this module: it stops the module's server (the fixture then finds it gone)."""
     ref = _offline(llm, ["Once upon"], temperature=0.0, max_tokens=100, ignore_eos=True)
