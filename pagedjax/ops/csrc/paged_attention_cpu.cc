@@ -365,8 +365,7 @@ void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch) {
         VStore(sr + i, cap * Tanh(VLoad(sr + i) * inv_cap));
       for (; i < hi; ++i) sr[i] = cap * std::tanh(sr[i] * inv_cap);
     }
-    float mx = sr[lo];
-    for (int64_t i = lo + 1; i < hi; ++i) mx = std::max(mx, sr[i]);
+    const float mx = MaxOf(sr, lo, hi);
     vf sumv = {};
     int64_t i = lo;
     for (; i + kVecFloats <= hi; i += kVecFloats) {
