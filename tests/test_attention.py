@@ -436,6 +436,43 @@ def test_native_kernel_matches_numpy(head_dim, dtype, window, cap, isa):
 
 
 @pytest.mark.parametrize("isa", cpu_kernels.runnable_isas())
+def test_native_kernel_finds_the_row_maximum_anywhere(isa):
+    """Decode rows whose one large score (450 against others within about +-150) lies at the
+    row's first position, inside its vector loop, in its last full vector, in its scalar tail,
+    or in a row of exactly one vector after the first position (the kernel's `MaxOf`, per ISA
+    path). exp(score - max) overflows to inf unless the maximum is found, and with it found
+    every other weight is exactly 0: the output is that position's value row."""
+    rng = np.random.default_rng(7)
+    H, BS, B = 64, 16, 8
+    cases = [(37, 0), (37, 5), (37, 20), (37, 32), (37, 36), (17, 16), (100, 99), (100, 50)]
+    S = len(cases)
+    tables = (1 + np.arange(S * B, dtype=np.int32)).reshape(S, B)
+    k = rng.standard_normal((1, S * B + 1, BS, 1, H)).astype(np.float32)
+    v = rng.standard_normal(k.shape).astype(np.float32)
+    k[..., 0] = np.clip(k[..., 0], -4.0, 4.0)  # the other scores: 300 / 8 * k0, within +-150
+    for s, (_, pos) in enumerate(cases):
+        k[0, tables[s, pos // BS], pos % BS, 0, 0] = 12.0  # score 300 / 8 * 12 = 450
+    q = np.zeros((S, 1, H), np.float32)
+    q[..., 0] = 300.0
+    got = np.asarray(
+        cpu_attention.paged_attention(
+            jnp.asarray(q),
+            jnp.asarray(k),
+            jnp.asarray(v),
+            0,
+            jnp.asarray([n for n, _ in cases], jnp.int32),
+            jnp.arange(S + 1, dtype=jnp.int32),
+            jnp.asarray(tables),
+            sm_scale=H**-0.5,
+            isa=isa,
+        )
+    )
+    for s, (_, pos) in enumerate(cases):
+        want = v[0, tables[s, pos // BS], pos % BS, 0]
+        np.testing.assert_allclose(got[s, 0], want, atol=1e-6, err_msg=f"case {cases[s]}")
+
+
+@pytest.mark.parametrize("isa", cpu_kernels.runnable_isas())
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float8_e4m3fn"])
 def test_native_kernel_one_sequence_split_by_kv_head_matches_the_batch(dtype, isa):
     """A step of one decode sequence is split into one work item per KV head (each reading
