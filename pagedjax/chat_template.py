@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from pagedjax.errors import InvalidInputError
@@ -21,6 +21,15 @@ from pagedjax.errors import InvalidInputError
 # Keyword arguments of `apply_chat_template` set here: `chat_template_kwargs` cannot
 # override them.
 RESERVED_KWARGS = ("tokenize", "return_dict", "chat_template", "conversation")
+# Keyword arguments of `apply_chat_template` that change how it tokenizes: given in
+# `chat_template_kwargs`, the template's own tokenization is used, not the caller's `encode`.
+TOKENIZATION_KWARGS = (
+    "sanitize_control_tokens",
+    "tokenizer_kwargs",
+    "truncation",
+    "max_length",
+    "padding",
+)
 
 
 def render_conversation(
@@ -32,6 +41,7 @@ def render_conversation(
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
     chat_template_kwargs: Mapping[str, Any] | None = None,
+    encode: Callable[[str], list[int]] | None = None,
 ) -> list[int]:
     """Token ids of one conversation rendered through a chat template.
 
@@ -46,6 +56,11 @@ def render_conversation(
         continue_final_message: leave the final assistant message open for the model to
             continue (it must exist); exclusive with add_generation_prompt.
         chat_template_kwargs: extra template variables.
+        encode: the rendered text's token ids (special tokens not added, as
+            `apply_chat_template` tokenizes), for a caller that refuses an over-long prompt
+            before its ids exist (the server); None: the template's tokenizer. Not used when
+            `chat_template_kwargs` sets one of `TOKENIZATION_KWARGS` (e.g.
+            `sanitize_control_tokens`), which only the template's own tokenization applies.
 
     Returns:
         The prompt's token ids.
@@ -54,7 +69,7 @@ def render_conversation(
         InvalidInputError: no template (param None); add_generation_prompt together with
             continue_final_message, continue_final_message without a final assistant
             message, tool-call arguments that are not JSON, or a conversation the template
-            cannot render (param "messages").
+            cannot render (param "messages"). What `encode` raises passes through.
     """
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise InvalidInputError(
@@ -74,14 +89,15 @@ def render_conversation(
         )
     messages = [_template_message(m, i) for i, m in enumerate(conversation)]
     kwargs = {k: v for k, v in (chat_template_kwargs or {}).items() if k not in RESERVED_KWARGS}
+    tokenize = encode is None or any(k in kwargs for k in TOKENIZATION_KWARGS)
     try:
-        ids = tokenizer.apply_chat_template(
+        out = tokenizer.apply_chat_template(
             messages,
             chat_template=chat_template,
             tools=list(tools) if tools else None,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
-            tokenize=True,
+            tokenize=tokenize,
             return_dict=False,
             **kwargs,
         )
@@ -89,9 +105,11 @@ def render_conversation(
         raise InvalidInputError(
             f"the chat template could not render the messages: {e}", "messages"
         ) from e
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-        ids = ids["input_ids"]
-    return list(ids)
+    if not tokenize:
+        return encode(out)
+    if isinstance(out, dict) or hasattr(out, "input_ids"):
+        out = out["input_ids"]
+    return list(out)
 
 
 def _template_message(message: Mapping[str, Any], i: int) -> Mapping[str, Any]:

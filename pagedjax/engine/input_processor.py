@@ -26,6 +26,18 @@ from pagedjax.structured_output import validate_structured_outputs
 MAX_BAD_WORDS = 1024  # bad words per request (vLLM sets no limit); more is a 400
 
 
+def prompt_too_long(n: int, max_model_len: int) -> InvalidInputError:
+    """The refusal (param "prompt") of a prompt of n tokens that does not fit max_model_len
+    (n > max_model_len), or leaves no room for output (n == max_model_len), in OpenAI's
+    wording."""
+    full = ", which leaves no room for output" if n == max_model_len else ""
+    return InvalidInputError(
+        f"This model's maximum context length is {max_model_len} tokens. However, your "
+        f"request has {n} input tokens{full}. Please reduce the length of the prompt.",
+        "prompt",
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class ProcessedInput:
     """A validated request: its text (None for token ids), prompt token ids (truncated),
@@ -143,12 +155,7 @@ class InputProcessor:
         checked too, one that leaves no room for output), in one wording either way."""
         m = self.model_config.max_model_len
         if n > m or (check_max_tokens and n == m):
-            full = ", which leaves no room for output" if n == m else ""
-            raise InvalidInputError(
-                f"This model's maximum context length is {m} tokens. However, your request "
-                f"has {n} input tokens{full}. Please reduce the length of the prompt.",
-                "prompt",
-            )
+            raise prompt_too_long(n, m)
 
     def _check_params(self, params: SamplingParams) -> str | None:
         """Checks what SamplingParams cannot check alone (vocabulary, max_logprobs, ...);

@@ -7,7 +7,7 @@ naming `messages`, as is anything the template cannot render.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from pagedjax.chat_template import render_conversation
@@ -25,6 +25,7 @@ def render_chat(
     continue_final_message: bool,
     tools: Sequence[Any] | None = None,
     template_kwargs: dict[str, Any] | None = None,
+    encode: Callable[[str], list[int]] | None = None,
 ) -> list[int]:
     """Token ids of a conversation rendered through a chat template.
 
@@ -37,6 +38,8 @@ def render_chat(
         tools: the request's tools (pydantic models or dicts), passed as the template's
             `tools`; None or empty: none.
         template_kwargs: extra template variables (`chat_template_kwargs`).
+        encode: the rendered text's token ids (see `render_conversation`); None: the
+            tokenizer's own.
 
     Returns:
         The prompt's token ids.
@@ -45,7 +48,7 @@ def render_chat(
         APIError 400: no template, a message the template cannot render, non-text content,
             tool-call arguments that are not JSON, add_generation_prompt with
             continue_final_message, continue_final_message without a final assistant
-            message.
+            message; what `encode` raises passes through.
     """
     conversation = [message_dict(m, i) for i, m in enumerate(messages)]
     try:
@@ -57,6 +60,7 @@ def render_chat(
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
             chat_template_kwargs=template_kwargs,
+            encode=encode,
         )
     except InvalidInputError as e:
         raise bad_request(str(e), e.param) from e

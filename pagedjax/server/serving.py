@@ -5,7 +5,9 @@ merge of several request streams into one.
 
 Tokenization and chat-template rendering happen here, off the event loop, on a small pool
 of threads (`TOKENIZER_THREADS`; a fast tokenizer releases the GIL while it encodes), so a
-request with a multi-megabyte prompt delays no other stream and no `/health`. The engine
+request with a multi-megabyte prompt delays no other stream and no `/health`. A prompt over
+max_model_len (without `truncate_prompt_tokens`) is refused from its token count before
+its ids become Python ints (`prompt_encoding`), which would hold the GIL. The engine
 receives token ids only (its thread tokenizes just the bad words, in one batched call).
 Several threads may encode at once: a fast tokenizer's encode only reads it, and nothing
 here changes its truncation or padding. Text that cannot be tokenized is a 400. The engine
@@ -26,10 +28,12 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, TypeVar
 
 from pagedjax.engine.async_llm import AsyncLLM, RequestStream
+from pagedjax.engine.input_processor import prompt_too_long
 from pagedjax.inputs import PromptType
 from pagedjax.outputs import Logprob, RequestOutput
 from pagedjax.sampling_params import SamplingParams
 from pagedjax.server.chat_rendering import render_chat, template_reads_tools
+from pagedjax.server.prompt_encoding import PromptTooLongError, encode_texts
 from pagedjax.server.protocol import (
     ChatMessage,
     SamplingRequest,
@@ -167,31 +171,44 @@ class OpenAIServing:
 
     # ---------------------------------------------------------------- prompts
 
-    def encode(self, text: str, add_special_tokens: bool, param: str = "prompt") -> list[int]:
-        """Token ids of a text (blocking: see `encode_many` for the event loop).
-
-        Raises:
-            APIError 400: no tokenizer, or text the tokenizer refuses.
-        """
-        return self.encode_batch([text], add_special_tokens, param)[0]
+    def prompt_limit(self, request: SamplingRequest) -> int | None:
+        """The most tokens a request's prompt may have: max_model_len, or None when the
+        request asks for truncation (`truncate_prompt_tokens`: the engine keeps the end)."""
+        return None if request.truncate_prompt_tokens is not None else self.max_model_len
 
     def encode_batch(
-        self, texts: list[str], add_special_tokens: bool, param: str = "prompt"
+        self,
+        texts: list[str],
+        add_special_tokens: bool,
+        param: str = "prompt",
+        limit: int | None = None,
     ) -> list[list[int]]:
-        """Token ids of several texts, from one batched tokenizer call (blocking)."""
+        """Token ids of several texts, from one batched tokenizer call (blocking: see
+        `encode_many` for the event loop); `prompt_encoding.encode_texts`.
+
+        Raises:
+            APIError 400 (param `param`): no tokenizer, text the tokenizer refuses, a text
+                of more than `limit` tokens (the engine's wording for a prompt over
+                max_model_len; its ids are never made).
+        """
         tok = self.require_tokenizer()
         try:
-            return [
-                list(ids) for ids in tok(texts, add_special_tokens=add_special_tokens).input_ids
-            ]
+            return encode_texts(tok, texts, add_special_tokens, limit)
+        except PromptTooLongError as e:
+            too_long = prompt_too_long(e.num_tokens, self.max_model_len)
+            raise bad_request(str(too_long), param) from e
         except (TypeError, ValueError) as e:  # e.g. an unpaired UTF-16 surrogate
             raise bad_request(f"the {param} cannot be tokenized: {e}", param) from e
 
     async def encode_many(
-        self, texts: list[str], add_special_tokens: bool, param: str = "prompt"
+        self,
+        texts: list[str],
+        add_special_tokens: bool,
+        param: str = "prompt",
+        limit: int | None = None,
     ) -> list[list[int]]:
         """`encode_batch` on the tokenizer threads."""
-        return await self.off_loop(self.encode_batch, texts, add_special_tokens, param)
+        return await self.off_loop(self.encode_batch, texts, add_special_tokens, param, limit)
 
     async def render_chat_async(self, *args: Any, **kwargs: Any) -> list[int]:
         """`render_chat` on the tokenizer threads."""
@@ -242,6 +259,7 @@ class OpenAIServing:
         continue_final_message: bool,
         tools: Sequence[Any] | None = None,
         template_kwargs: dict[str, Any] | None = None,
+        limit: int | None = None,
     ) -> list[int]:
         """Token ids of a conversation through the server's chat template (`--chat-template`,
         else the tokenizer's); see `chat_rendering.render_chat`. The first request with
@@ -249,7 +267,8 @@ class OpenAIServing:
 
         Raises:
             APIError 400: no tokenizer or template, a message the template cannot render,
-                non-text content.
+                non-text content, a rendered prompt of more than `limit` tokens (param
+                "messages").
         """
         tok = self.require_tokenizer()
         if tools and not self._tools_warned:
@@ -270,6 +289,7 @@ class OpenAIServing:
             continue_final_message=continue_final_message,
             tools=tools,
             template_kwargs=template_kwargs,
+            encode=lambda text: self.encode_batch([text], False, "messages", limit)[0],
         )
 
     # ------------------------------------------------------------------ logprobs

@@ -142,6 +142,7 @@ class OpenAIServingChat(OpenAIServing):
             request.continue_final_message,
             request.tools,
             request.chat_template_kwargs,
+            self.prompt_limit(request),
         )
         request_id = random_id("chatcmpl")
         constraint_param = "tools" if source == "tool_choice" else source

@@ -63,7 +63,10 @@ class OpenAIServingCompletion(OpenAIServing):
             if isinstance(item, str) and not item:
                 raise bad_request(f"prompt {i} must not be empty", "prompt")
         texts = [item for item in items if isinstance(item, str)]
-        encoded = iter(await self.encode_many(texts, request.add_special_tokens) if texts else [])
+        limit = self.prompt_limit(request)
+        encoded = iter(
+            await self.encode_many(texts, request.add_special_tokens, limit=limit) if texts else []
+        )
         return [
             (item, next(encoded))
             if isinstance(item, str)
