@@ -334,15 +334,12 @@ def build_app(
         return await _cancel_on_disconnect(raw_request, chat.create(request))
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
-    async def tokenize(request: TokenizeRequest) -> TokenizeResponse:
+    async def tokenize(request: TokenizeRequest) -> Response:
         return await base.tokenize(request)
 
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
-    async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
-        base.check_model(request.model)
-        base.check_token_ids(request.tokens, "a")
-        base.require_tokenizer()
-        return DetokenizeResponse(prompt=base.decode(request.tokens))
+    async def detokenize(request: DetokenizeRequest) -> Response:
+        return await base.detokenize(request)
 
     return app
 

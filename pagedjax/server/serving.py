@@ -27,6 +27,9 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, TypeVar
 
+from fastapi.responses import Response
+from pydantic import BaseModel
+
 from pagedjax.engine.async_llm import AsyncLLM, RequestStream
 from pagedjax.engine.input_processor import prompt_too_long
 from pagedjax.inputs import PromptType
@@ -36,10 +39,12 @@ from pagedjax.server.chat_rendering import render_chat, template_reads_tools
 from pagedjax.server.prompt_encoding import PromptTooLongError, encode_texts
 from pagedjax.server.protocol import (
     ChatMessage,
+    DetokenizeRequest,
     SamplingRequest,
     TokenizeRequest,
 )
 from pagedjax.server.protocol_responses import (
+    DetokenizeResponse,
     PromptLogprob,
     PromptLogprobs,
     TokenizeResponse,
@@ -214,8 +219,8 @@ class OpenAIServing:
         """`render_chat` on the tokenizer threads."""
         return await self.off_loop(self.render_chat, *args, **kwargs)
 
-    async def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
-        """`POST /tokenize`, its tokenization off the event loop.
+    async def tokenize(self, request: TokenizeRequest) -> Response:
+        """`POST /tokenize` (a `TokenizeResponse`), its tokenization off the event loop.
 
         Raises:
             APIError 400/404: a bad request, an unknown model.
@@ -243,9 +248,33 @@ class OpenAIServing:
         strs = None
         if request.return_token_strs:
             strs = await self.off_loop(self.require_tokenizer().convert_ids_to_tokens, ids)
-        return TokenizeResponse(
+        response = TokenizeResponse(
             count=len(ids), max_model_len=self.max_model_len, tokens=ids, token_strs=strs
         )
+        return await self.json_off_loop(response)
+
+    async def detokenize(self, request: DetokenizeRequest) -> Response:
+        """`POST /detokenize` (a `DetokenizeResponse`), checked and decoded off the event
+        loop.
+
+        Raises:
+            APIError 400/404: a token id outside the vocabulary, no tokenizer, an unknown
+                model.
+        """
+        self.check_model(request.model)
+        self.require_tokenizer()
+
+        def detokenize() -> DetokenizeResponse:
+            self.check_token_ids(request.tokens, "a")
+            return DetokenizeResponse(prompt=self.decode(request.tokens))
+
+        return await self.json_off_loop(await self.off_loop(detokenize))
+
+    async def json_off_loop(self, response: BaseModel) -> Response:
+        """A response model as a JSON body serialised on the tokenizer threads (returned
+        as the model, FastAPI validates it again and serialises it on the event loop)."""
+        body = await self.off_loop(response.model_dump_json)
+        return Response(body, media_type="application/json")
 
     def decode(self, ids: Sequence[int]) -> str:
         if self.tokenizer is None:
