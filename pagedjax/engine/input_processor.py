@@ -28,12 +28,12 @@ MAX_BAD_WORDS = 1024  # bad words per request (vLLM sets no limit); more is a 40
 
 def prompt_too_long(n: int, max_model_len: int) -> InvalidInputError:
     """The refusal (param "prompt") of a prompt of n tokens that does not fit max_model_len
-    (n > max_model_len), or leaves no room for output (n == max_model_len), in OpenAI's
-    wording."""
+    (n > max_model_len), or leaves no room for output (n == max_model_len), in vLLM's
+    words (which clients match to shorten a conversation and retry)."""
     full = ", which leaves no room for output" if n == max_model_len else ""
     return InvalidInputError(
         f"This model's maximum context length is {max_model_len} tokens. However, your "
-        f"request has {n} input tokens{full}. Please reduce the length of the prompt.",
+        f"request has {n} input tokens{full}. Please reduce the length of the input messages.",
         "prompt",
     )
 
@@ -137,9 +137,9 @@ class InputProcessor:
         if check_max_tokens and params.max_tokens is not None and len(ids) + params.max_tokens > m:
             raise InvalidInputError(
                 f"This model's maximum context length is {m} tokens. However, you requested "
-                f"{len(ids) + params.max_tokens} tokens ({len(ids)} in the prompt, "
+                f"{len(ids) + params.max_tokens} tokens ({len(ids)} in the messages, "
                 f"{params.max_tokens} in the completion). Please reduce the length of the "
-                "prompt or completion.",
+                "messages or completion.",
                 "max_tokens",
             )
         grammar = self._check_params(params)

@@ -131,16 +131,16 @@ class OpenAIServing:
             raise bad_request("the server runs without a tokenizer (skip_tokenizer_init)")
         return self.tokenizer
 
-    def check_token_ids(self, ids: Sequence[int], what: str = "prompt") -> None:
+    def check_token_ids(self, ids: Sequence[int], what: str = "prompt", param: str = "tokens"):
         """For /detokenize (generation requests are checked by the engine).
 
         Raises:
-            APIError 400: a token id outside [0, vocab_size).
+            APIError 400 (param `param`): a token id outside [0, vocab_size).
         """
         bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise bad_request(
-                f"{what} token id {bad} is out of the vocabulary [0, {self.vocab_size})"
+                f"{what} token id {bad} is out of the vocabulary [0, {self.vocab_size})", param
             )
 
     async def add_requests(
