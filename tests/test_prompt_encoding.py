@@ -51,6 +51,12 @@ class _Spy:
         self.encode_special_tokens = backend.encode_special_tokens
 
     def encode_batch(self, texts, add_special_tokens):
+        return self._encode(self.backend.encode_batch, texts, add_special_tokens)
+
+    def encode_batch_fast(self, texts, add_special_tokens):
+        return self._encode(self.backend.encode_batch_fast, texts, add_special_tokens)
+
+    def _encode(self, encode, texts, add_special_tokens):
         spy = self
 
         class Encoding:
@@ -65,7 +71,7 @@ class _Spy:
                 spy.read.append(self.i)
                 return self.enc.ids
 
-        encs = self.backend.encode_batch(texts, add_special_tokens=add_special_tokens)
+        encs = encode(texts, add_special_tokens=add_special_tokens)
         return [Encoding(i, e) for i, e in enumerate(encs)]
 
 

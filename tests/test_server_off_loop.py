@@ -33,7 +33,7 @@ class _RecordingBackend:
         def call(*args, **kwargs):
             self.threads.append((name, threading.current_thread()))
             out = attr(*args, **kwargs)
-            return [_Encoding(self, e) for e in out] if name == "encode_batch" else out
+            return [_Encoding(self, e) for e in out] if name.startswith("encode_batch") else out
 
         return call
 
@@ -88,11 +88,11 @@ MESSAGES = [{"role": "user", "content": "Hi there"}]
 @pytest.mark.parametrize(
     "path,body,call",
     [
-        ("/v1/completions", {"prompt": "Hi there", "max_tokens": 2}, "encode_batch"),
-        ("/v1/completions", {"prompt": ["a", "b"], "max_tokens": 2}, "encode_batch"),
-        ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2}, "encode_batch"),
-        ("/tokenize", {"prompt": "Hi there"}, "encode_batch"),
-        ("/tokenize", {"messages": MESSAGES}, "encode_batch"),
+        ("/v1/completions", {"prompt": "Hi there", "max_tokens": 2}, "encode_batch_fast"),
+        ("/v1/completions", {"prompt": ["a", "b"], "max_tokens": 2}, "encode_batch_fast"),
+        ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2}, "encode_batch_fast"),
+        ("/tokenize", {"prompt": "Hi there"}, "encode_batch_fast"),
+        ("/tokenize", {"messages": MESSAGES}, "encode_batch_fast"),
         ("/detokenize", {"tokens": [72, 105, 32, 116]}, "decode"),
     ],
     ids=["completion", "two-prompts", "chat", "tokenize", "tokenize-chat", "detokenize"],

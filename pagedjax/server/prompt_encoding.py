@@ -5,9 +5,12 @@ A fast tokenizer encodes with the GIL released, but turning its result into Pyth
 holds the GIL for the whole list: for a prompt of millions of tokens that is 0.1 s or
 more in which no other thread (the event loop, the engine's) runs. A prompt longer than
 the model's context is refused anyway, so its tokens are counted on the tokenizer's own
-`Encoding` and only the ids of a prompt that may be served become a list. A slow (Python)
-tokenizer, or a fast one whose backend truncates, pads or splits special tokens
-differently from its Hugging Face wrapper, is called through the wrapper as before.
+`Encoding` and only the ids of a prompt that may be served become a list. The backend's
+`encode_batch_fast` (tokenizers >= 0.20) is used where it exists: the same ids without
+character offsets, in about half the time, and an `Encoding` that is freed (under the GIL)
+in 20 ms rather than 100 ms for 3 million tokens. A slow (Python) tokenizer, or a fast one
+whose backend truncates, pads or splits special tokens differently from its Hugging Face
+wrapper, is called through the wrapper as before.
 """
 
 from __future__ import annotations
@@ -58,7 +61,8 @@ def encode_texts(
         ]
         lengths = [len(x) for x in ids]
     else:
-        encodings = backend.encode_batch(list(texts), add_special_tokens=add_special_tokens)
+        encode = getattr(backend, "encode_batch_fast", None) or backend.encode_batch
+        encodings = encode(list(texts), add_special_tokens=add_special_tokens)
         lengths = [len(e) for e in encodings]
     if limit is not None:
         for i, n in enumerate(lengths):
