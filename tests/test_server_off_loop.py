@@ -1,16 +1,21 @@
 """Where the server's tokenizer work runs, in process on a stub engine: every endpoint
-encodes, renders and decodes on the tokenizer threads, never on the event loop's thread,
-and a prompt over max_model_len is refused there before its ids are read."""
+encodes, renders and decodes on the tokenizer threads, never on the event loop's thread;
+a prompt over max_model_len is refused there before its ids are read; and prompt logprobs
+are converted there too."""
 
 from __future__ import annotations
 
 import asyncio
 import copy
+import json
 import threading
 
 import httpx
 import pytest
 
+from pagedjax.engine.async_llm import RequestStream
+from pagedjax.outputs import Logprob
+from pagedjax.server.serving import OpenAIServing
 from tests.server_tools_stub import StubEngine, build_app, stub_tokenizer
 
 RECORDED = ("encode", "encode_batch", "encode_batch_fast", "decode", "decode_batch")
@@ -136,3 +141,54 @@ def test_truncate_prompt_tokens_lets_a_long_prompt_through_to_the_engine(recorde
     res, _ = _post_on_loop(app, "/v1/completions", body)
     assert res.status_code == 200, res.text
     assert len(engine.requests[0][0]) == 100  # the engine truncates
+
+
+PROMPT_LOGPROBS = [None, {7: Logprob(-0.5, 1, "a"), 9: Logprob(-1.5, 2, "b")}]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_prompt_logprobs_are_converted_off_the_event_loop(recorded, monkeypatch, path, stream):
+    """vLLM's `prompt_logprobs` are built from the engine's on the tokenizer threads (for
+    thousands of prompt positions that is seconds of Python), and come back intact."""
+    _, app, _ = recorded
+    put = RequestStream._put
+
+    def put_with_prompt_logprobs(self, out):
+        out.prompt_logprobs = PROMPT_LOGPROBS
+        return put(self, out)
+
+    monkeypatch.setattr(RequestStream, "_put", put_with_prompt_logprobs)
+    threads = []
+    convert = OpenAIServing.prompt_logprobs
+
+    def recording(self, steps):
+        threads.append(threading.current_thread())
+        return convert(self, steps)
+
+    monkeypatch.setattr(OpenAIServing, "prompt_logprobs", recording)
+    body = {"model": "stub", "max_tokens": 2, "prompt_logprobs": 1, "stream": stream}
+    if path == "/v1/completions":
+        body["prompt"] = "Hi"
+    else:
+        body["messages"] = MESSAGES
+    res, loop_thread = _post_on_loop(app, path, body)
+    assert res.status_code == 200, res.text
+    if stream:
+        lines = res.text.splitlines()
+        chunks = [json.loads(x[len("data: ") :]) for x in lines if x.startswith("data: {")]
+    else:
+        chunks = [res.json()]
+    # chat carries them at the top level, completions in each choice
+    got = [c.get("prompt_logprobs") for c in chunks]
+    got += [ch.get("prompt_logprobs") for c in chunks for ch in c["choices"]]
+    got = [g for g in got if g is not None]
+    want = [
+        None,
+        {
+            "7": {"logprob": -0.5, "rank": 1, "decoded_token": "a"},
+            "9": {"logprob": -1.5, "rank": 2, "decoded_token": "b"},
+        },
+    ]
+    assert got == [want]
+    assert threads and all(t is not loop_thread for t in threads)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import logging
 import secrets
 import signal
@@ -374,6 +375,18 @@ def _load_chat_template(value: str | None) -> str | None:
     return text
 
 
+def _freeze_gc_heap() -> None:
+    """Moves every object alive once the engine has started (the libraries' and the model's
+    Python objects, over half a million) into the garbage collector's permanent generation,
+    as vLLM does after its warm-up. A request that allocates many objects (prompt logprobs:
+    21 entries for each of thousands of positions) sets off full collections, which walked
+    them all while holding the GIL, and so the event loop: up to 0.3 s for 8,192 positions,
+    0.08 s with the heap frozen. Objects made later are collected as before."""
+    gc.collect()
+    gc.freeze()
+    logger.info("froze %d objects out of the garbage collector's way", gc.get_freeze_count())
+
+
 def run_server(ns: argparse.Namespace, sock: socket.socket | None = None) -> int:
     """Checks the model path and binds host:port (unless `sock` is that bound socket:
     `cli_args.check_serve_args`), then builds the engine from the parsed flags and serves
@@ -409,6 +422,7 @@ def run_server(ns: argparse.Namespace, sock: socket.socket | None = None) -> int
         enable_auto_tool_choice=ns.enable_auto_tool_choice,
         tool_call_parser=ns.tool_call_parser,
     )
+    _freeze_gc_heap()
     config = uvicorn.Config(
         app,
         host=ns.host,

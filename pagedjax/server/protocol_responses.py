@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, TypeAdapter
 
 from pagedjax.server.protocol_base import ResponseModel
 from pagedjax.server.protocol_tools import DeltaToolCall, ToolCall
@@ -55,6 +55,8 @@ class PromptLogprob(ResponseModel):
 # vLLM's `prompt_logprobs`: per prompt position, None for the first token, else token id
 # (a string, as JSON keys are) -> its entry: the prompt's own token and the most likely ones.
 PromptLogprobs = list[dict[str, PromptLogprob] | None]
+# Serialises a PromptLogprobs on its own (the chat stream's first chunk carries it).
+PROMPT_LOGPROBS = TypeAdapter(PromptLogprobs)
 
 
 class CompletionChoice(ResponseModel):

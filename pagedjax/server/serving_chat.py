@@ -32,14 +32,15 @@ import json
 import time
 from collections.abc import AsyncIterator, Sequence
 
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from pagedjax.engine.async_llm import AsyncLLM, EngineError, RequestStream
-from pagedjax.outputs import CompletionOutput
+from pagedjax.outputs import CompletionOutput, RequestOutput
 from pagedjax.server.protocol import (
     ChatCompletionRequest,
 )
 from pagedjax.server.protocol_responses import (
+    PROMPT_LOGPROBS,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -127,7 +128,7 @@ class OpenAIServingChat(OpenAIServing):
         return TOOL_PARSERS[self.tool_call_parser]()
 
     async def create(self, request: ChatCompletionRequest):
-        """Returns a JSONResponse or a StreamingResponse; raises APIError for bad input."""
+        """Returns a JSON Response or a StreamingResponse; raises APIError for bad input."""
         self.check_model(request.model)
         self.warn_ignored_fields(request)
         try:
@@ -172,6 +173,20 @@ class OpenAIServingChat(OpenAIServing):
         except EngineError as e:
             raise APIError(500, str(e), type="server_error") from e
         refuse_late_constraint_errors([final], constraint_param)
+        args = (request, request_id, created, final, echo, parser)
+        return Response(await self.off_loop(self._final_body, *args), media_type="application/json")
+
+    def _final_body(
+        self,
+        request: ChatCompletionRequest,
+        request_id: str,
+        created: int,
+        final: RequestOutput,
+        echo: str,
+        parser: ToolParser | None,
+    ) -> bytes:
+        """The non-streamed response's JSON (run off the event loop: prompt logprobs may be
+        large); `prompt_logprobs` only when asked for, `tool_calls` only when present."""
         choices = [
             ChatChoice(
                 index=o.index,
@@ -198,13 +213,16 @@ class OpenAIServingChat(OpenAIServing):
             ),
             prompt_logprobs=self.prompt_logprobs(final.prompt_logprobs),
         )
-        data = body.model_dump()
+        exclude: dict = {
+            "choices": {
+                i: {"message": {"tool_calls"}}
+                for i, c in enumerate(choices)
+                if c.message.tool_calls is None
+            }
+        }
         if request.prompt_logprobs is None:
-            del data["prompt_logprobs"]  # OpenAI's shape unless asked for
-        for c in data["choices"]:
-            if c["message"]["tool_calls"] is None:
-                del c["message"]["tool_calls"]
-        return JSONResponse(data)
+            exclude["prompt_logprobs"] = True  # OpenAI's shape unless asked for
+        return body.model_dump_json(exclude=exclude)
 
     def _logprobs(self, request: ChatCompletionRequest, o: CompletionOutput) -> ChatLogprobs | None:
         """OpenAI's chat `logprobs` object: per output token its text, logprob and UTF-8
@@ -263,11 +281,9 @@ class OpenAIServingChat(OpenAIServing):
                 model=self.model_name(request.model),
                 choices=choices,
                 usage=usage() if with_usage else None,
-                prompt_logprobs=prompt_logprobs,
             )
-            data = body.model_dump(exclude={"choices": {"__all__": {"delta": {"tool_calls"}}}})
-            if prompt_logprobs is None:
-                del data["prompt_logprobs"]
+            exclude = {"choices": {"__all__": {"delta": {"tool_calls"}}}, "prompt_logprobs": True}
+            data = body.model_dump(exclude=exclude)
             for c, choice in zip(data["choices"], choices, strict=True):
                 # a delta names only what it carries
                 c["delta"] = {k: v for k, v in c["delta"].items() if v is not None}
@@ -275,7 +291,11 @@ class OpenAIServingChat(OpenAIServing):
                     c["delta"]["tool_calls"] = [
                         t.model_dump(exclude_none=True) for t in choice.delta.tool_calls
                     ]
-            return sse(json.dumps(data, ensure_ascii=False, separators=(",", ":")))
+            text = json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+            if prompt_logprobs is not None:  # the last field, serialised by pydantic (faster)
+                plp = PROMPT_LOGPROBS.dump_json(prompt_logprobs).decode()
+                text = f'{text[:-1]},"prompt_logprobs":{plp}}}'
+            return sse(text)
 
         try:
             first_output = True
@@ -283,7 +303,7 @@ class OpenAIServingChat(OpenAIServing):
                 if first_output:  # the role chunks, once the prompt's token count is known
                     first_output = False
                     prompt_tokens = len(out.prompt_token_ids)
-                    plp = self.prompt_logprobs(out.prompt_logprobs)
+                    plp = await self.prompt_logprobs_async(out.prompt_logprobs)
                     for i in range(request.n):
                         role = DeltaMessage(role="assistant", content="")
                         yield chunk([ChatChunkChoice(index=i, delta=role)], continuous, plp)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from pagedjax.engine.async_llm import EngineError, RequestStream
 from pagedjax.outputs import CompletionOutput, RequestOutput
@@ -75,7 +75,7 @@ class OpenAIServingCompletion(OpenAIServing):
         ]
 
     async def create(self, request: CompletionRequest):
-        """Returns a JSONResponse or a StreamingResponse; raises APIError for bad input."""
+        """Returns a JSON Response or a StreamingResponse; raises APIError for bad input."""
         self.check_model(request.model)
         self.warn_ignored_fields(request)
         try:
@@ -104,9 +104,11 @@ class OpenAIServingCompletion(OpenAIServing):
         except EngineError as e:
             raise APIError(500, str(e), type="server_error") from e
         refuse_late_constraint_errors(results)
-        return JSONResponse(
-            self._response(request, request_id, created, prompts, results).model_dump()
-        )
+
+        def body() -> bytes:  # off the event loop: prompt logprobs may be large
+            return self._response(request, request_id, created, prompts, results).model_dump_json()
+
+        return Response(await self.off_loop(body), media_type="application/json")
 
     def _echo_text(self, text: str | None, ids: list[int]) -> str:
         return text if text is not None else self.decode(ids)
@@ -226,7 +228,7 @@ class OpenAIServingCompletion(OpenAIServing):
             async for i, out in merge_streams(streams):
                 prompt_lens[i] = len(out.prompt_token_ids)
                 if out.prompt_logprobs is not None and prompt_lps[i] is None:
-                    prompt_lps[i] = self.prompt_logprobs(out.prompt_logprobs)
+                    prompt_lps[i] = await self.prompt_logprobs_async(out.prompt_logprobs)
                 for o in out.outputs:
                     idx = i * n + o.index
                     text, echo_len = o.text, 0
