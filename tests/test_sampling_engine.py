@@ -83,6 +83,34 @@ def test_logprobs_zero_gives_the_sampled_tokens_logprob(llm, tiny_hf, prompts8):
     assert other.outputs[0].logprobs is None and other.outputs[0].cumulative_logprob is None
 
 
+def test_logprob_entries_decode_each_token_id_once(llm, prompts8, monkeypatch):
+    """Every logprob entry (output and prompt, 5 alternatives each) carries its token's text
+    alone, `tokenizer.decode([id])`, decoded once per token id for the engine's lifetime:
+    two requests over the same prompt add no decode calls the second time."""
+    proc = llm.llm_engine.output_processor
+    tok = proc.tokenizer
+    calls = []
+
+    class Counting:
+        def decode(self, ids):
+            calls.append(tuple(ids))
+            return tok.decode(ids)
+
+    monkeypatch.setattr(proc, "tokenizer", Counting())
+    monkeypatch.setattr(proc, "_token_text", {}, raising=False)  # forget earlier tests
+    sp = SamplingParams(temperature=0, max_tokens=6, logprobs=5, prompt_logprobs=5)
+    first = llm.generate({"prompt_token_ids": prompts8[7]}, sp, use_tqdm=False)[0]
+    entries = [d for d in first.prompt_logprobs[1:] + first.outputs[0].logprobs]
+    seen = {t for d in entries for t in d}
+    assert sum(len(d) for d in entries) > 2 * len(seen)  # ids repeat (90 prompt positions)
+    assert all(lp.decoded_token == tok.decode([t]) for d in entries for t, lp in d.items())
+    assert sorted(calls) == sorted((t,) for t in seen)
+    n = len(calls)
+    again = llm.generate({"prompt_token_ids": prompts8[7]}, sp, use_tqdm=False)[0]
+    assert len(calls) == n
+    assert again.prompt_logprobs == first.prompt_logprobs
+
+
 def test_prompt_logprobs_across_chunks_and_with_a_cached_prefix(
     make_llm, tiny_llama_dir, tiny_hf, prompts8
 ):
