@@ -221,4 +221,36 @@ def test_native_kernel_reports_a_failed_build(monkeypatch, tmp_path):
     cxx.chmod(0o755)
     with pytest.raises(RuntimeError, match="(?s)building the CPU kernels failed.*cannot compile"):
         cpu_kernels.build(str(cxx))
-    assert not list((tmp_path / "kernels").iterdir())
+    assert [p.suffix for p in (tmp_path / "kernels").iterdir()] == [".lock"]  # the lock only
+
+
+_RECORDING_CXX = """#!/bin/sh
+# records each call, takes a while, and writes an empty file where -o points
+echo "$$ $*" >> "$(dirname "$0")/calls.log"
+sleep 1
+while [ $# -gt 0 ]; do [ "$1" = "-o" ] && : > "$2"; shift; done
+"""
+
+
+def test_processes_building_at_once_wait_for_one_build(monkeypatch, tmp_path):
+    """Three processes asking for the same library at once: one compiles it (each source
+    once, one link), the others wait on its lock and return the same file."""
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("PAGEDJAX_CACHE_DIR", str(tmp_path))
+    cxx = tmp_path / "cxx"
+    cxx.write_text(_RECORDING_CXX)
+    cxx.chmod(0o755)
+    code = (
+        f"from pagedjax.ops import cpu_kernels; print(cpu_kernels.build({str(cxx)!r}, 'portable'))"
+    )
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        for _ in range(3)
+    ]
+    outs = [p.communicate(timeout=300)[0].strip() for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    assert len(set(outs)) == 1 and outs[0].endswith(".so")
+    calls = (tmp_path / "calls.log").read_text().splitlines()
+    assert len(calls) == len(cpu_kernels.SOURCES) + 1, calls  # each source, then the link

@@ -41,6 +41,7 @@ columns and heads, never inside a reduction).
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -236,6 +237,33 @@ def build(cxx: str | None = None, isa: str | None = None) -> Path:
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
+    with _build_lock(out):
+        if out.exists():  # another process built it while this one waited
+            return out
+        return _build(cxx, isa, out)
+
+
+@contextlib.contextmanager
+def _build_lock(out: Path):
+    """Holds an exclusive lock (`flock` on "<library>.lock", where the OS has it) while one
+    library builds, so processes that need it at once (the test suite's two workers, a
+    server's data-parallel engines) wait for one build instead of each compiling it (~35 s
+    of compiler time each). The lock file stays; it holds nothing."""
+    try:
+        import fcntl
+    except ImportError:  # no flock: concurrent builds stay correct (atomic rename), only slower
+        yield
+        return
+    with open(out.with_name(out.name + ".lock"), "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _build(cxx: str, isa: str, out: Path) -> Path:
+    """`build`'s compile and link, into a temporary directory renamed to `out`."""
     # a cold start spends tens of seconds here: say so, or the log is silent meanwhile
     logger.info("building the native CPU kernels (%s) with %s, once, into %s", isa, cxx, out)
     started = time.perf_counter()
