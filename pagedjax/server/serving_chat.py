@@ -184,7 +184,7 @@ class OpenAIServingChat(OpenAIServing):
         final: RequestOutput,
         echo: str,
         parser: ToolParser | None,
-    ) -> bytes:
+    ) -> str:
         """The non-streamed response's JSON (run off the event loop: prompt logprobs may be
         large); `prompt_logprobs` only when asked for, `tool_calls` only when present."""
         choices = [

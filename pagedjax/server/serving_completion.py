@@ -105,7 +105,7 @@ class OpenAIServingCompletion(OpenAIServing):
             raise APIError(500, str(e), type="server_error") from e
         refuse_late_constraint_errors(results)
 
-        def body() -> bytes:  # off the event loop: prompt logprobs may be large
+        def body() -> str:  # off the event loop: prompt logprobs may be large
             return self._response(request, request_id, created, prompts, results).model_dump_json()
 
         return Response(await self.off_loop(body), media_type="application/json")
