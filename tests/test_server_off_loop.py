@@ -124,8 +124,8 @@ def test_a_prompt_over_max_model_len_is_refused_before_its_ids_are_read(
     recorded, path, body, param
 ):
     """The stub's max_model_len is 64; the byte-level tokenizer gives one token a byte (the
-    chat template adds 11 characters around the message, and 13 for the reply header). The
-    engine never sees the request."""
+    60-character chat message renders to 82 tokens: "<|user|>", the message, "</s>" as one
+    token, "<|assistant|>"). The engine never sees the request."""
     engine, app, backend = recorded
     res, _ = _post_on_loop(app, path, {"model": "stub", **body})
     assert res.status_code == 400, res.text
