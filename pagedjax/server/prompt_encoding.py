@@ -6,7 +6,7 @@ holds the GIL for the whole list: for a prompt of millions of tokens that is 0.1
 more in which no other thread (the event loop, the engine's) runs. A prompt longer than
 the model's context is refused anyway, so its tokens are counted on the tokenizer's own
 `Encoding` and only the ids of a prompt that may be served become a list. The backend's
-`encode_batch_fast` (tokenizers >= 0.20) is used where it exists: the same ids without
+`encode_batch_fast` is used where the installed tokenizers has it: the same ids without
 character offsets, in about half the time, and an `Encoding` that is freed (under the GIL)
 in 20 ms rather than 100 ms for 3 million tokens. A slow (Python) tokenizer, or a fast one
 whose backend truncates, pads or splits special tokens differently from its Hugging Face

@@ -131,7 +131,9 @@ class OpenAIServing:
             raise bad_request("the server runs without a tokenizer (skip_tokenizer_init)")
         return self.tokenizer
 
-    def check_token_ids(self, ids: Sequence[int], what: str = "prompt", param: str = "tokens"):
+    def check_token_ids(
+        self, ids: Sequence[int], what: str = "prompt", param: str = "tokens"
+    ) -> None:
         """For /detokenize (generation requests are checked by the engine).
 
         Raises:
