@@ -44,7 +44,15 @@ class CompletionOutput:
 
 @dataclasses.dataclass
 class RequestMetrics:
-    """Timestamps (seconds, time.time()) of a request's life."""
+    """Timestamps (seconds since the epoch, time.time()) of a request's life.
+
+    Attributes:
+        arrival_time: when the engine took the request in.
+        first_scheduled_time: when a step first scheduled it (None until then, and for a
+            request that ended before any step ran it).
+        first_token_time: when the step that gave its first token ended.
+        finished_time: when the step that finished it ended.
+    """
 
     arrival_time: float
     first_scheduled_time: float | None = None

@@ -74,20 +74,26 @@ def test_each_prompt_alone_equals_the_batch(llm16, prompts8):
 def test_requests_wait_for_blocks_when_the_pool_is_small(
     make_llm, tiny_llama_dir, prompts8, hf_greedy_cache
 ):
-    """A pool that holds about two sequences at a time: admission has to wait."""
+    """A pool that holds about two sequences at a time: admission has to wait. Each
+    request's timestamps are in order, and the waiting shows in them: some request was
+    first scheduled after another had finished (first_scheduled_time was never set)."""
     llm = make_llm(tiny_llama_dir, block_size=16, num_gpu_blocks_override=9)
     eng = llm.llm_engine
     for i, p in enumerate(prompts8):
         eng.add_request(str(i), {"prompt_token_ids": p}, GREEDY)
-    waited, results = False, {}
+    waited, results, times = False, {}, []
     while eng.has_unfinished_requests():
         waited |= eng.scheduler.stats().num_waiting_reqs > 0 and bool(eng.scheduler.running)
         for out in eng.step():
             if out.finished:
                 results[int(out.request_id)] = out.outputs[0].token_ids
+                times.append(out.metrics)
     assert waited
     for i, p in enumerate(prompts8):
         assert results[i] == hf_greedy_cache(p, 10)
+    for m in times:
+        assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
+    assert max(m.first_scheduled_time for m in times) > min(m.finished_time for m in times)
     _assert_idle_and_whole(llm)
 
 

@@ -425,6 +425,17 @@ def test_metrics_count_one_request_exactly(server, client, llm):
     assert delta["vllm:e2e_request_latency_seconds_count"] == 1
     assert delta["vllm:request_prompt_tokens_sum"] == 7
     assert delta["vllm:request_generation_tokens_sum"] == 9
+    assert delta["vllm:request_max_num_generation_tokens_sum"] == 9
+    assert delta["vllm:request_params_n_sum"] == 1
+    assert delta["vllm:request_params_max_tokens_sum"] == 9
+    for phase in ("queue", "prefill", "decode", "inference"):
+        assert delta[f"vllm:request_{phase}_time_seconds_count"] == 1, phase
+    assert delta["vllm:request_prefill_time_seconds_sum"] > 0
+    assert delta["vllm:request_decode_time_seconds_sum"] > 0
+    assert delta["vllm:request_inference_time_seconds_sum"] == pytest.approx(
+        delta["vllm:request_prefill_time_seconds_sum"]
+        + delta["vllm:request_decode_time_seconds_sum"]
+    )
     assert delta["vllm:prefix_cache_queries_total"] == 7
     assert after["vllm:kv_cache_usage_perc"] == 0.0
     assert after["pagedjax:kv_cache_free_blocks"] == num_blocks(server.url) > 0

@@ -319,8 +319,16 @@ class AsyncLLM:
             _call(loop, _set_exception, ack, e)
             return
         now = time.monotonic()
+        params = {rid: inp.params for rid, inp in requests}
         for stream in streams:
-            self._live[stream.request_id] = LiveRequest(stream, now, stream.output_kind)
+            p = params.get(stream.request_id)
+            self._live[stream.request_id] = LiveRequest(
+                stream,
+                now,
+                stream.output_kind,
+                n=p.n if p is not None else None,
+                max_tokens=p.max_tokens if p is not None else None,
+            )
             self._loops[stream.request_id] = loop
         _call(loop, _set_result, ack, None)
 

@@ -319,6 +319,7 @@ class LLMEngine:
         """Schedules and runs one step; returns the outputs it produced (see output_kind)."""
         t0 = time.perf_counter()
         so = self.scheduler.schedule()
+        self.output_processor.mark_scheduled((r.req_id for r in so.scheduled_new_reqs), time.time())
         t1 = time.perf_counter()
         result = self.runner.execute(so)
         t2 = time.perf_counter()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Iterable
 
 from pagedjax.engine.interface import ModelRunnerOutput, PromptLogprobs
 from pagedjax.engine.request import Request
@@ -89,6 +90,15 @@ class OutputProcessor:
             for c in parent.children:
                 self.children.pop(c.request.request_id, None)
         return parent
+
+    def mark_scheduled(self, req_ids: Iterable[str], now: float) -> None:
+        """Sets `first_scheduled_time` (seconds since the epoch) of the parents of requests
+        the scheduler has just put into a step, where it is not set yet (a request resumed
+        after a preemption keeps its first time)."""
+        for rid in req_ids:
+            parent, _ = self.children.get(rid, (None, None))
+            if parent is not None and parent.metrics.first_scheduled_time is None:
+                parent.metrics.first_scheduled_time = now
 
     def _decode(self, token_id: int) -> str | None:
         """The text of one token alone (`tokenizer.decode([token_id])`, remembered)."""

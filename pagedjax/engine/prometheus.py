@@ -16,7 +16,15 @@ Names (vLLM v1 where it has one; prometheus-client appends `_total` to counters)
     vllm:time_to_first_token_seconds                   histogram, arrival -> first token
     vllm:inter_token_latency_seconds                   histogram, between a request's steps
     vllm:e2e_request_latency_seconds                   histogram, arrival -> last token
+    vllm:request_queue_time_seconds                    histogram, arrival -> first scheduled
+    vllm:request_prefill_time_seconds                  histogram, first scheduled -> first token
+    vllm:request_decode_time_seconds                   histogram, first token -> last token
+    vllm:request_inference_time_seconds                histogram, first scheduled -> last token
     vllm:request_prompt_tokens / _generation_tokens    histograms, tokens per request
+    vllm:request_max_num_generation_tokens             histogram, the longest of a request's n
+                                                       sequences, tokens
+    vllm:request_params_n / vllm:request_params_max_tokens  histograms, the request's n and
+                                                       max_tokens
     vllm:cache_config_info                             gauge = 1, the cache config as labels
     vllm:spec_decode_num_drafts                        counter, verification runs
     vllm:spec_decode_num_draft_tokens                  counter, proposed tokens
@@ -46,12 +54,15 @@ from prometheus_client import (
 )
 
 from pagedjax.engine.scheduler import SchedulerStats
+from pagedjax.outputs import RequestMetrics
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _LATENCY_BUCKETS_LONG = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 _GRAMMAR_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+_PHASE_BUCKETS = (*_LATENCY_BUCKETS, 120.0, 300.0, 600.0)
+_N_BUCKETS = (1, 2, 5, 10, 20)
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
 
 
@@ -152,6 +163,37 @@ class PrometheusStatLogger:
             "Generated tokens per finished request (all n sequences).",
             _TOKEN_BUCKETS,
         )
+        self.queue_time = histogram(
+            "vllm:request_queue_time_seconds",
+            "Time from arrival to the first step that scheduled the request, seconds.",
+            _PHASE_BUCKETS,
+        )
+        self.prefill_time = histogram(
+            "vllm:request_prefill_time_seconds",
+            "Time from the first scheduling to the first token, seconds.",
+            _PHASE_BUCKETS,
+        )
+        self.decode_time = histogram(
+            "vllm:request_decode_time_seconds",
+            "Time from the first token to the last, seconds.",
+            _PHASE_BUCKETS,
+        )
+        self.inference_time = histogram(
+            "vllm:request_inference_time_seconds",
+            "Time from the first scheduling to the last token, seconds.",
+            _PHASE_BUCKETS,
+        )
+        self.max_generation_tokens = histogram(
+            "vllm:request_max_num_generation_tokens",
+            "Generated tokens of a finished request's longest sequence.",
+            _TOKEN_BUCKETS,
+        )
+        self.params_n = histogram(
+            "vllm:request_params_n", "The n of finished requests.", _N_BUCKETS
+        )
+        self.params_max_tokens = histogram(
+            "vllm:request_params_max_tokens", "The max_tokens of finished requests.", _TOKEN_BUCKETS
+        )
         info = Gauge(
             "vllm:cache_config_info",
             "The KV cache configuration, as labels.",
@@ -234,13 +276,40 @@ class PrometheusStatLogger:
         e2e_s: float | None,
         num_prompt_tokens: int,
         num_generation_tokens: int,
+        *,
+        times: RequestMetrics | None = None,
+        max_num_generation_tokens: int | None = None,
+        n: int | None = None,
+        max_tokens: int | None = None,
     ) -> None:
-        """Counts a finished request; e2e_s None (an abort) records no histogram."""
+        """Counts a finished request; e2e_s None (an abort) records no histogram.
+
+        `times` (the output's timestamps) gives the phase histograms, vLLM's definitions:
+        queue = first scheduled - arrival, prefill = first token - first scheduled, decode =
+        finished - first token, inference = finished - first scheduled; a phase whose ends
+        are not both known (a request that never reached a step) is not observed.
+        """
         self._success.labels(model_name=self._model_name, finished_reason=finish_reason).inc()
-        if e2e_s is not None:
-            self.e2e.observe(e2e_s)
-            self.request_prompt_tokens.observe(num_prompt_tokens)
-            self.request_generation_tokens.observe(num_generation_tokens)
+        if e2e_s is None:
+            return
+        self.e2e.observe(e2e_s)
+        self.request_prompt_tokens.observe(num_prompt_tokens)
+        self.request_generation_tokens.observe(num_generation_tokens)
+        if max_num_generation_tokens is not None:
+            self.max_generation_tokens.observe(max_num_generation_tokens)
+        if n is not None:
+            self.params_n.observe(n)
+        if max_tokens is not None:
+            self.params_max_tokens.observe(max_tokens)
+        if times is not None:
+            for hist, start, end in (
+                (self.queue_time, times.arrival_time, times.first_scheduled_time),
+                (self.prefill_time, times.first_scheduled_time, times.first_token_time),
+                (self.decode_time, times.first_token_time, times.finished_time),
+                (self.inference_time, times.first_scheduled_time, times.finished_time),
+            ):
+                if start is not None and end is not None:
+                    hist.observe(max(end - start, 0.0))
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric (Content-Type: `CONTENT_TYPE`)."""

@@ -5,7 +5,9 @@ Per output of a DELTA or CUMULATIVE request: time to first token (from its arriv
 engine thread), inter-token latency, generation tokens, and the finished request. A
 FINAL_ONLY request's single output gives its time to first token from the engine's own
 timestamps and its inter-token latency as the mean over its decode steps (count and sum
-exact, one observation per step after the first). Per step: the scheduler stats summed over
+exact, one observation per step after the first). A finished request also gives its n,
+max_tokens, longest sequence and the phase times of its `RequestOutput.metrics` (queue,
+prefill, decode, inference: `PrometheusStatLogger.record_finished`). Per step: the scheduler stats summed over
 the replicas (KV-cache usage: held over usable blocks), speculative-decoding counts and the
 structured-output grammar timings.
 """
@@ -34,7 +36,9 @@ class LiveRequest:
     num_generation_tokens: int = 0
     first_token_time: float | None = None
     last_token_time: float | None = None
-    seen_tokens: dict[int, int] = dataclasses.field(default_factory=dict)  # CUMULATIVE
+    seen_tokens: dict[int, int] = dataclasses.field(default_factory=dict)  # per sequence index
+    n: int | None = None  # the request's n and max_tokens, for their histograms
+    max_tokens: int | None = None
 
 
 def record_output(
@@ -44,13 +48,15 @@ def record_output(
     if live.output_kind == RequestOutputKind.FINAL_ONLY:
         _record_final_only(metrics, live, out, now)
         return
-    if live.output_kind == RequestOutputKind.CUMULATIVE:
-        new_tokens = 0
-        for o in out.outputs:
-            new_tokens += len(o.token_ids) - live.seen_tokens.get(o.index, 0)
+    new_tokens = 0
+    for o in out.outputs:
+        seen = live.seen_tokens.get(o.index, 0)
+        if live.output_kind == RequestOutputKind.CUMULATIVE:
+            new_tokens += len(o.token_ids) - seen
             live.seen_tokens[o.index] = len(o.token_ids)
-    else:
-        new_tokens = sum(len(o.token_ids) for o in out.outputs)
+        else:
+            new_tokens += len(o.token_ids)
+            live.seen_tokens[o.index] = seen + len(o.token_ids)
     if new_tokens:
         if live.first_token_time is None:
             live.first_token_time = now
@@ -62,12 +68,7 @@ def record_output(
         live.num_generation_tokens += new_tokens
         metrics.record_generation_tokens(new_tokens)
     if out.finished:
-        metrics.record_finished(
-            out.outputs[0].finish_reason or "stop",
-            now - live.arrival,
-            len(out.prompt_token_ids),
-            live.num_generation_tokens,
-        )
+        _record_finished(metrics, live, out, now - live.arrival, live.num_generation_tokens)
 
 
 def _record_final_only(
@@ -91,12 +92,23 @@ def _record_final_only(
                 metrics.record_inter_token(max(span, 0.0) / (steps - 1))
         metrics.record_generation_tokens(generated)
     if out.finished:
-        metrics.record_finished(
-            out.outputs[0].finish_reason or "stop",
-            e2e,
-            len(out.prompt_token_ids),
-            generated,
-        )
+        live.seen_tokens = {o.index: len(o.token_ids) for o in out.outputs}
+        _record_finished(metrics, live, out, e2e, generated)
+
+
+def _record_finished(
+    metrics: PrometheusStatLogger, live: LiveRequest, out: RequestOutput, e2e: float, generated: int
+) -> None:
+    metrics.record_finished(
+        out.outputs[0].finish_reason or "stop",
+        e2e,
+        len(out.prompt_token_ids),
+        generated,
+        times=out.metrics,
+        max_num_generation_tokens=max(live.seen_tokens.values(), default=0),
+        n=live.n,
+        max_tokens=live.max_tokens,
+    )
 
 
 def record_scheduler_stats(metrics: PrometheusStatLogger, replicas: Sequence[Any]) -> None:
