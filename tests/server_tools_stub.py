@@ -77,6 +77,7 @@ class StubEngine:
             default_sampling_fields={},
             max_model_len=4096,
             model="stub",
+            source_path="stub",
             arch=arch,
         )
         self.tokenizer = tokenizer

@@ -218,3 +218,17 @@ def test_cache_folders_are_published_whole(tmp_path):
     (leftover / "half").write_text("x")
     publish_folder(leftover, writer("whole"), "done.json")
     assert sorted(p.name for p in leftover.iterdir()) == ["done.json"]
+
+
+def test_the_default_model_answers_to_both_of_its_ids(tmp_path):
+    """A server of the default model accepts either id in `model`, however it was started
+    (`default_model_ids`); no other model gets them."""
+    from pagedjax.models.sources import DEFAULT_MODEL_IDS, default_model_ids
+
+    default = loader.resolve_model_source(None).path
+    assert default_model_ids(default) == DEFAULT_MODEL_IDS
+    assert set(DEFAULT_MODEL_IDS) == {
+        "SmolLM2-135M-Instruct",
+        "HuggingFaceTB/SmolLM2-135M-Instruct",
+    }
+    assert default_model_ids(str(make_checkpoint(tmp_path / "SmolLM2-135M-Instruct"))) == ()

