@@ -274,6 +274,14 @@ def test_constraints_that_do_not_compile_are_400_naming_the_field(app, body, par
     res, ok = _run(app, run)
     assert res.status_code == 400, res.text
     assert res.json()["error"]["param"] == param
+    # the message names the field the client sent (it said "structured_outputs.json"
+    # whatever the field was)
+    message = res.json()["error"]["message"]
+    if param == "structured_outputs":
+        assert message.startswith("structured_outputs."), message
+    else:
+        assert message.startswith(f"the JSON schema of {param} is invalid: "), message
+        assert "structured_outputs" not in message
     assert ok.choices[0].finish_reason == "length"  # the next request is served
 
 

@@ -6,6 +6,7 @@ its request was queued (`refuse_late_constraint_errors`).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 from pagedjax.errors import InvalidInputError
@@ -55,7 +56,24 @@ def bad_input(
         param = max_tokens_param
     elif param == "structured_outputs" and constraint_param:
         param = constraint_param
+        return bad_request(constraint_message(str(e), constraint_param), param)
     return bad_request(str(e), param)
+
+
+_CONSTRAINT_ERROR = re.compile(r"structured_outputs\.(\w+) is invalid: ")
+_CONSTRAINT_WHAT = {"json": "JSON schema", "json_object": "JSON schema"}
+
+
+def constraint_message(message: str, constraint_param: str | None) -> str:
+    """The engine's message for a constraint that does not compile ("structured_outputs.<kind>
+    is invalid: <reason>") in terms of the field the client sent, e.g. "the JSON schema of
+    response_format is invalid: <reason>"; unchanged for "structured_outputs" itself or another
+    message."""
+    m = _CONSTRAINT_ERROR.match(message)
+    if m is None or constraint_param in (None, "structured_outputs"):
+        return message
+    what = _CONSTRAINT_WHAT.get(m.group(1), m.group(1))
+    return f"the {what} of {constraint_param} is invalid: {message[m.end() :]}"
 
 
 def refuse_late_constraint_errors(
@@ -75,4 +93,5 @@ def refuse_late_constraint_errors(
         for o in res.outputs:
             if o.finish_reason == "error" and not o.token_ids:
                 reason = o.stop_reason or "the output constraint does not compile"
-                raise bad_request(str(reason), constraint_param or "structured_outputs")
+                message = constraint_message(str(reason), constraint_param)
+                raise bad_request(message, constraint_param or "structured_outputs")
