@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
+import re
+from decimal import Decimal
 from typing import Any
 
 from pagedjax.config import (
@@ -31,6 +34,41 @@ from pagedjax.config_resolution import resolve_engine_config
 
 def _field(default, help: str, **kw):
     return dataclasses.field(default=default, metadata={"help": help, **kw})
+
+
+_HUMAN_INT = re.compile(r"(\d+(?:\.\d+)?)([kmgtKMGT]?)")
+_SUFFIX_POWER = {"k": 1, "m": 2, "g": 3, "t": 4}
+
+
+def human_readable_int(text: str) -> int:
+    """A command-line integer with vLLM's optional size suffix: lowercase k, m, g, t are
+    powers of 1,000 ("25.6k" = 25,600), uppercase K, M, G, T powers of 1,024 ("2K" = 2,048,
+    whole numbers only); a plain integer as is.
+
+    Raises:
+        argparse.ArgumentTypeError: anything else, or a value that is not a whole number.
+    """
+    m = _HUMAN_INT.fullmatch(text.strip())
+    if m is None:
+        raise argparse.ArgumentTypeError(
+            f"invalid value {text!r}: an integer, optionally with a suffix k/m/g/t (powers of "
+            "1000) or K/M/G/T (powers of 1024), e.g. 2048, 32k, 2K"
+        )
+    number, suffix = m.groups()
+    if not suffix:
+        if "." in number:
+            raise argparse.ArgumentTypeError(f"invalid value {text!r}: not a whole number")
+        return int(number)
+    if suffix.isupper():
+        if "." in number:
+            raise argparse.ArgumentTypeError(
+                f"invalid value {text!r}: a binary suffix (K/M/G/T) takes a whole number"
+            )
+        return int(number) * 1024 ** _SUFFIX_POWER[suffix.lower()]
+    value = Decimal(number) * 1000 ** _SUFFIX_POWER[suffix]  # exact: 0.3k is 300
+    if value != value.to_integral_value():
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}: not a whole number")
+    return int(value)
 
 
 @dataclasses.dataclass
@@ -72,12 +110,18 @@ class EngineArgs:
     dtype: str = _field("auto", "Weights and activations dtype.", choices=DTYPES)
     seed: int = _field(0, "Engine seed; requests without a seed draw one from it.")
     max_model_len: int | None = _field(
-        None, "Prompt + output tokens at most (default: the model's max_position_embeddings)."
+        None,
+        "Prompt + output tokens at most (default: the model's max_position_embeddings); on the "
+        "command line also with a suffix, as in vLLM: 32k = 32,000, 32K = 32,768.",
+        human_readable=True,
     )
     block_size: int = _field(16, "Tokens per KV block.", choices=ALLOWED_BLOCK_SIZES)
     max_num_seqs: int | None = _field(None, "Requests in a step at most (default 256).")
     max_num_batched_tokens: int | None = _field(
-        None, "Tokens in a step at most (default 2048 on CPU, 8192 on GPU)."
+        None,
+        "Tokens in a step at most (default 2048 on CPU, 8192 on GPU); also with a suffix "
+        "(2k, 2K) on the command line.",
+        human_readable=True,
     )
     gpu_memory_utilization: float = _field(0.9, "Fraction of accelerator memory to use.")
     num_gpu_blocks_override: int | None = _field(None, "Number of KV blocks, fixed.")
@@ -203,10 +247,17 @@ class EngineArgs:
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineArgs:
-        """Like the constructor, but an unknown argument is a ValueError that names it."""
-        unknown = sorted(set(kwargs) - cls.field_names())
+        """Like the constructor, but an unknown argument is a ValueError that names it (and
+        the closest known name, where one is close: "max_model_lenn (did you mean
+        max_model_len?)")."""
+        names = cls.field_names()
+        unknown = sorted(set(kwargs) - names)
         if unknown:
-            raise ValueError(f"unknown engine argument(s): {', '.join(unknown)}")
+            described = []
+            for name in unknown:
+                close = difflib.get_close_matches(name, sorted(names), n=1)
+                described.append(f"{name} (did you mean {close[0]}?)" if close else name)
+            raise ValueError(f"unknown engine argument(s): {', '.join(described)}")
         return cls(**kwargs)
 
     @classmethod
@@ -223,6 +274,8 @@ class EngineArgs:
                 )
                 continue
             typ = {"int": int, "float": float}.get(str(f.type).replace(" | None", ""), str)
+            if f.metadata.get("human_readable"):
+                typ = human_readable_int
             kw: dict[str, Any] = {"default": f.default, "help": help_, "type": typ}
             if "nargs" in f.metadata:
                 kw["nargs"] = f.metadata["nargs"]

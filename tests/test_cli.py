@@ -70,6 +70,26 @@ def test_vllm_flags_that_change_nothing_here_are_accepted():
         cli.build_parser().parse_args(["serve", "--tokenizer-mode", "slow"])
 
 
+@pytest.mark.parametrize(
+    "text, tokens",
+    [("2048", 2048), ("2k", 2000), ("2K", 2048), ("25.6k", 25600), ("0.3k", 300), ("1M", 2**20)],
+)
+def test_token_counts_take_vllms_size_suffixes(text, tokens):
+    """As in vLLM: lowercase k/m/g are powers of 1000, uppercase powers of 1024 ("2k" was an
+    "invalid int value")."""
+    ns = cli.build_parser().parse_args(
+        ["serve", "--max-model-len", text, "--max-num-batched-tokens", text]
+    )
+    assert ns.max_model_len == ns.max_num_batched_tokens == tokens
+
+
+@pytest.mark.parametrize("text", ["2.5K", "1.0001k", "2kb", "1.5", "k"])
+def test_a_bad_size_suffix_is_a_usage_error(text, capsys):
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["serve", "--max-model-len", text])
+    assert f"argument --max-model-len: invalid value '{text}'" in capsys.readouterr().err
+
+
 def test_log_level_is_accepted_after_the_subcommand():
     ns = cli.build_parser().parse_args(["serve", "--log-level", "DEBUG"])
     assert ns.log_level == "DEBUG"
@@ -155,3 +175,15 @@ def test_generate_labels_each_of_n_samples(tiny_llama_dir, compile_cache_dir, ca
     assert code == 0 and len(lines) == 2, out
     assert lines[0].startswith("[0.0] 'hello' -> ") and lines[1].startswith("[0.1] 'hello' -> ")
     assert all(line.endswith("(length)") for line in lines)
+
+
+def test_an_unknown_engine_argument_is_named_with_the_closest_known_one():
+    """`LLM(max_model_lenn=...)` (`EngineArgs.from_kwargs`) names the typo and, like the
+    command line, the argument it probably meant."""
+    from pagedjax.engine_args import EngineArgs
+
+    with pytest.raises(ValueError) as e:
+        EngineArgs.from_kwargs(max_model_lenn=64, zzz=1)
+    assert str(e.value) == (
+        "unknown engine argument(s): max_model_lenn (did you mean max_model_len?), zzz"
+    )
