@@ -346,3 +346,12 @@ def test_served_model_name_takes_one_name_or_several(tiny_llama_dir):
     EngineArgs.add_cli_args(parser)
     ns = parser.parse_args(["--served-model-name", "a", "b"])
     assert EngineArgs.from_cli_args(ns).served_model_name == ["a", "b"]
+
+
+def test_the_model_config_is_where_vllm_scripts_read_it(llm16, tiny_llama_dir):
+    """`llm.llm_engine.model_config.max_model_len` (and `get_model_config()`), as in vLLM:
+    an AttributeError before."""
+    eng = llm16.llm_engine
+    assert eng.model_config is eng.get_model_config() is eng.config.model_config
+    assert eng.model_config.model == str(tiny_llama_dir)
+    assert eng.model_config.max_model_len == 128  # make_llm's setting

@@ -25,7 +25,7 @@ import random
 import time
 from collections.abc import Iterable
 
-from pagedjax.config import EngineConfig
+from pagedjax.config import EngineConfig, ModelConfig
 from pagedjax.engine.detokenizer import IncrementalDetokenizer
 from pagedjax.engine.input_processor import InputProcessor, ProcessedInput
 from pagedjax.engine.kv_cache_manager import KVCacheManager
@@ -172,6 +172,16 @@ class LLMEngine:
         if eos is None and self.config.model_config.arch.eos_token_ids:
             eos = self.config.model_config.arch.eos_token_ids[0]
         return eos
+
+    @property
+    def model_config(self) -> ModelConfig:
+        """The model's resolved configuration (`config.model_config`: max_model_len,
+        served_model_name, dtype, ...), where vLLM scripts read it."""
+        return self.config.model_config
+
+    def get_model_config(self) -> ModelConfig:
+        """`model_config`, as vLLM's `LLMEngine.get_model_config()`."""
+        return self.config.model_config
 
     def get_tokenizer(self):
         return self.tokenizer
