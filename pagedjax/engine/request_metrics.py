@@ -7,9 +7,9 @@ FINAL_ONLY request's single output gives its time to first token from the engine
 timestamps and its inter-token latency as the mean over its decode steps (count and sum
 exact, one observation per step after the first). A finished request also gives its n,
 max_tokens, longest sequence and the phase times of its `RequestOutput.metrics` (queue,
-prefill, decode, inference: `PrometheusStatLogger.record_finished`). Per step: the scheduler stats summed over
-the replicas (KV-cache usage: held over usable blocks), speculative-decoding counts and the
-structured-output grammar timings.
+prefill, decode, inference: `PrometheusStatLogger.record_finished`). Per step: the
+scheduler stats summed over the replicas (KV-cache usage: held over usable blocks),
+speculative-decoding counts and the structured-output grammar timings.
 """
 
 from __future__ import annotations
