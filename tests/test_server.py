@@ -426,6 +426,9 @@ def test_metrics_count_one_request_exactly(server, client, llm):
     assert delta["vllm:request_prompt_tokens_sum"] == 7
     assert delta["vllm:request_generation_tokens_sum"] == 9
     assert delta["vllm:request_max_num_generation_tokens_sum"] == 9
+    # one step of the 7 prompt tokens, then 8 of one token each
+    assert delta["vllm:iteration_tokens_total_count"] == 9
+    assert delta["vllm:iteration_tokens_total_sum"] == 7 + 8
     assert delta["vllm:request_params_n_sum"] == 1
     assert delta["vllm:request_params_max_tokens_sum"] == 9
     for phase in ("queue", "prefill", "decode", "inference"):

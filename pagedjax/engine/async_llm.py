@@ -126,6 +126,7 @@ class AsyncLLM:
         self.engine = engine
         self.model_config = engine.config.model_config
         self._replicas = list(getattr(engine, "replicas", [engine]))
+        self._last_timings: dict[int, Any] = {}  # replica -> its last step's counted timing
         self.metrics = stat_logger or PrometheusStatLogger(
             self.model_config.served_model_name,
             cache_info={
@@ -342,6 +343,7 @@ class AsyncLLM:
             self._fail_all(EngineError(f"internal error while running the request: {e!r}"))
             return
         now = time.monotonic()
+        self._record_iteration_tokens()
         for out in outputs:
             live = self._live.get(out.request_id)
             if live is None:
@@ -352,6 +354,15 @@ class AsyncLLM:
                 del self._live[out.request_id]
                 del self._loops[out.request_id]
             _call(loop, live.stream._put, out)
+
+    def _record_iteration_tokens(self) -> None:
+        """Tokens of each replica's step that ran (a new `last_step_timing`; replicas without
+        one, remote ones, are not counted)."""
+        for i, r in enumerate(self._replicas):
+            t = getattr(r, "last_step_timing", None)
+            if t is not None and t is not self._last_timings.get(i):
+                self._last_timings[i] = t
+                self.metrics.record_iteration_tokens(t.num_scheduled_tokens)
 
     def _fail_all(self, error: BaseException, abort: bool = True) -> None:
         live, self._live = self._live, {}

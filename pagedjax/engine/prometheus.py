@@ -21,6 +21,7 @@ Names (vLLM v1 where it has one; prometheus-client appends `_total` to counters)
     vllm:request_decode_time_seconds                   histogram, first token -> last token
     vllm:request_inference_time_seconds                histogram, first scheduled -> last token
     vllm:request_prompt_tokens / _generation_tokens    histograms, tokens per request
+    vllm:iteration_tokens_total                        histogram, tokens computed per step
     vllm:request_max_num_generation_tokens             histogram, the longest of a request's n
                                                        sequences, tokens
     vllm:request_params_n / vllm:request_params_max_tokens  histograms, the request's n and
@@ -63,6 +64,7 @@ _LATENCY_BUCKETS_LONG = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
 _GRAMMAR_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 _PHASE_BUCKETS = (*_LATENCY_BUCKETS, 120.0, 300.0, 600.0)
 _N_BUCKETS = (1, 2, 5, 10, 20)
+_STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
 
 
@@ -183,6 +185,11 @@ class PrometheusStatLogger:
             "Time from the first scheduling to the last token, seconds.",
             _PHASE_BUCKETS,
         )
+        self.iteration_tokens = histogram(
+            "vllm:iteration_tokens_total",
+            "Tokens computed per engine step (prompt and generated, all requests).",
+            _STEP_TOKEN_BUCKETS,
+        )
         self.max_generation_tokens = histogram(
             "vllm:request_max_num_generation_tokens",
             "Generated tokens of a finished request's longest sequence.",
@@ -263,6 +270,9 @@ class PrometheusStatLogger:
     def record_first_token(self, ttft_s: float, num_prompt_tokens: int) -> None:
         self.ttft.observe(ttft_s)
         self.prompt_tokens.inc(num_prompt_tokens)
+
+    def record_iteration_tokens(self, n: int) -> None:
+        self.iteration_tokens.observe(n)
 
     def record_inter_token(self, seconds: float) -> None:
         self.itl.observe(seconds)
