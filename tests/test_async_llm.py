@@ -348,7 +348,9 @@ def test_shutdown_fails_streams_and_refuses_new_requests(make_llm, tiny_llama_di
 def _fake_serving(cls):
     tok = types.SimpleNamespace(decode=lambda ids, **kw: "".join(f"<{i}>" for i in ids))
     arch = types.SimpleNamespace(vocab_size=100)
-    mc = types.SimpleNamespace(max_model_len=64, arch=arch, default_sampling_fields={}, model="m")
+    mc = types.SimpleNamespace(
+        max_model_len=64, arch=arch, default_sampling_fields={}, model="m", source_path="m"
+    )
     engine = types.SimpleNamespace(get_tokenizer=lambda: tok, model_config=mc)
     return cls(engine, "m", None)
 
