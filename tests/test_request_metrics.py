@@ -29,6 +29,7 @@ def _output(tokens: list[list[int]], finished: bool, times=TIMES) -> RequestOutp
         ],
         finished=finished,
         metrics=times,
+        num_cached_tokens=2,
     )
 
 
@@ -61,6 +62,11 @@ def test_a_finished_request_gives_the_phase_histograms(kind):
     assert _value(m, "vllm:request_max_num_generation_tokens_sum") == 5
     assert _value(m, "vllm:request_params_n_sum") == 2
     assert _value(m, "vllm:request_params_max_tokens_sum") == 5
+    # 2 of the 3 prompt tokens came from the prefix cache
+    assert _value(m, "vllm:prompt_tokens_cached_total") == 2
+    assert _value(m, "vllm:request_prefill_kv_computed_tokens_sum") == 1
+    # 4 s of decoding over the longest sequence's 4 tokens after its first
+    assert _value(m, "vllm:request_time_per_output_token_seconds_sum") == 1.0
     for name, seconds in [
         ("queue", 1.5),  # first scheduled - arrival
         ("prefill", 1.5),  # first token - first scheduled

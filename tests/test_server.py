@@ -426,6 +426,9 @@ def test_metrics_count_one_request_exactly(server, client, llm):
     assert delta["vllm:request_prompt_tokens_sum"] == 7
     assert delta["vllm:request_generation_tokens_sum"] == 9
     assert delta["vllm:request_max_num_generation_tokens_sum"] == 9
+    assert delta["vllm:request_time_per_output_token_seconds_sum"] == pytest.approx(
+        delta["vllm:request_decode_time_seconds_sum"] / 8
+    )
     # one step of the 7 prompt tokens, then 8 of one token each
     assert delta["vllm:iteration_tokens_total_count"] == 9
     assert delta["vllm:iteration_tokens_total_sum"] == 7 + 8
@@ -450,6 +453,9 @@ def test_metrics_count_one_request_exactly(server, client, llm):
     end = read_metrics(server.url)
     assert end["vllm:prefix_cache_hits_total"] - mid["vllm:prefix_cache_hits_total"] == 32
     assert end["vllm:prefix_cache_queries_total"] - mid["vllm:prefix_cache_queries_total"] == 40
+    assert end["vllm:prompt_tokens_cached_total"] - mid["vllm:prompt_tokens_cached_total"] == 32
+    computed = "vllm:request_prefill_kv_computed_tokens_sum"
+    assert end[computed] - mid[computed] == 40 - 32
 
 
 def test_64_concurrent_streaming_clients(server, llm):

@@ -12,6 +12,8 @@ Names (vLLM v1 where it has one; prometheus-client appends `_total` to counters)
     vllm:prefix_cache_queries / _hits                  counters, prompt tokens looked up / hit
     vllm:num_preemptions                               counter
     vllm:prompt_tokens / vllm:generation_tokens        counters, tokens
+    vllm:prompt_tokens_cached                          counter, prompt tokens served from the
+                                                       prefix cache
     vllm:request_success{finished_reason}              counter, finished requests
     vllm:time_to_first_token_seconds                   histogram, arrival -> first token
     vllm:inter_token_latency_seconds                   histogram, between a request's steps
@@ -22,6 +24,10 @@ Names (vLLM v1 where it has one; prometheus-client appends `_total` to counters)
     vllm:request_inference_time_seconds                histogram, first scheduled -> last token
     vllm:request_prompt_tokens / _generation_tokens    histograms, tokens per request
     vllm:iteration_tokens_total                        histogram, tokens computed per step
+    vllm:request_prefill_kv_computed_tokens            histogram, prompt tokens computed (not
+                                                       from the prefix cache) per request
+    vllm:request_time_per_output_token_seconds         histogram, a request's decode time over
+                                                       its tokens after the first
     vllm:request_max_num_generation_tokens             histogram, the longest of a request's n
                                                        sequences, tokens
     vllm:request_params_n / vllm:request_params_max_tokens  histograms, the request's n and
@@ -133,6 +139,9 @@ class PrometheusStatLogger:
         self.preemptions = counter("vllm:num_preemptions", "Preemptions of running requests.")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens of started requests.")
         self.generation_tokens = counter("vllm:generation_tokens", "Generated tokens.")
+        self.prompt_tokens_cached = counter(
+            "vllm:prompt_tokens_cached", "Prompt tokens of started requests found in the cache."
+        )
         self._success = Counter(
             "vllm:request_success",
             "Finished requests, by finish reason.",
@@ -184,6 +193,16 @@ class PrometheusStatLogger:
             "vllm:request_inference_time_seconds",
             "Time from the first scheduling to the last token, seconds.",
             _PHASE_BUCKETS,
+        )
+        self.prefill_kv_computed = histogram(
+            "vllm:request_prefill_kv_computed_tokens",
+            "Prompt tokens a finished request computed (not found in the prefix cache).",
+            _TOKEN_BUCKETS,
+        )
+        self.request_tpot = histogram(
+            "vllm:request_time_per_output_token_seconds",
+            "A finished request's decode time over its tokens after the first, seconds.",
+            _LATENCY_BUCKETS,
         )
         self.iteration_tokens = histogram(
             "vllm:iteration_tokens_total",
@@ -267,9 +286,12 @@ class PrometheusStatLogger:
         for s in bitmask_s:
             self.grammar_bitmask.observe(s)
 
-    def record_first_token(self, ttft_s: float, num_prompt_tokens: int) -> None:
+    def record_first_token(
+        self, ttft_s: float, num_prompt_tokens: int, num_cached_tokens: int = 0
+    ) -> None:
         self.ttft.observe(ttft_s)
         self.prompt_tokens.inc(num_prompt_tokens)
+        self.prompt_tokens_cached.inc(num_cached_tokens)
 
     def record_iteration_tokens(self, n: int) -> None:
         self.iteration_tokens.observe(n)
@@ -291,13 +313,16 @@ class PrometheusStatLogger:
         max_num_generation_tokens: int | None = None,
         n: int | None = None,
         max_tokens: int | None = None,
+        num_cached_tokens: int = 0,
     ) -> None:
         """Counts a finished request; e2e_s None (an abort) records no histogram.
 
         `times` (the output's timestamps) gives the phase histograms, vLLM's definitions:
         queue = first scheduled - arrival, prefill = first token - first scheduled, decode =
         finished - first token, inference = finished - first scheduled; a phase whose ends
-        are not both known (a request that never reached a step) is not observed.
+        are not both known (a request that never reached a step) is not observed. The time
+        per output token is the decode time over the longest sequence's tokens after its
+        first (vLLM's per-request mean), for sequences of two tokens or more.
         """
         self._success.labels(model_name=self._model_name, finished_reason=finish_reason).inc()
         if e2e_s is None:
@@ -305,6 +330,7 @@ class PrometheusStatLogger:
         self.e2e.observe(e2e_s)
         self.request_prompt_tokens.observe(num_prompt_tokens)
         self.request_generation_tokens.observe(num_generation_tokens)
+        self.prefill_kv_computed.observe(max(num_prompt_tokens - num_cached_tokens, 0))
         if max_num_generation_tokens is not None:
             self.max_generation_tokens.observe(max_num_generation_tokens)
         if n is not None:
@@ -320,6 +346,10 @@ class PrometheusStatLogger:
             ):
                 if start is not None and end is not None:
                     hist.observe(max(end - start, 0.0))
+            first, last = times.first_token_time, times.finished_time
+            tokens = max_num_generation_tokens or 0
+            if first is not None and last is not None and tokens > 1:
+                self.request_tpot.observe(max(last - first, 0.0) / (tokens - 1))
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric (Content-Type: `CONTENT_TYPE`)."""

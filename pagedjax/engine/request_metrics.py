@@ -61,7 +61,9 @@ def record_output(
         if live.first_token_time is None:
             live.first_token_time = now
             live.num_prompt_tokens = len(out.prompt_token_ids)
-            metrics.record_first_token(now - live.arrival, live.num_prompt_tokens)
+            metrics.record_first_token(
+                now - live.arrival, live.num_prompt_tokens, out.num_cached_tokens or 0
+            )
         else:
             metrics.record_inter_token(now - live.last_token_time)
         live.last_token_time = now
@@ -84,7 +86,7 @@ def _record_final_only(
     first = m.first_token_time if m is not None else None
     if generated:
         ttft = e2e if first is None else min(max(first - m.arrival_time, 0.0), e2e)
-        metrics.record_first_token(ttft, len(out.prompt_token_ids))
+        metrics.record_first_token(ttft, len(out.prompt_token_ids), out.num_cached_tokens or 0)
         if steps > 1:
             last = m.finished_time if m is not None else None
             span = last - first if first is not None and last is not None else e2e - ttft
@@ -108,6 +110,7 @@ def _record_finished(
         max_num_generation_tokens=max(live.seen_tokens.values(), default=0),
         n=live.n,
         max_tokens=live.max_tokens,
+        num_cached_tokens=out.num_cached_tokens or 0,
     )
 
 
