@@ -162,6 +162,51 @@ def test_eos_and_stop_token_ids(llm16, hf_greedy_cache, prompts8):
     assert out.finish_reason == "stop" and out.stop_reason == stop_at
 
 
+def _text(llm, prompt, **kw) -> str:
+    params = SamplingParams(temperature=0, **kw)
+    return llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0].text
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_the_token_that_stops_a_request_leaves_its_text_out(
+    llm16, hf_greedy_cache, prompts8, skip_special_tokens
+):
+    """As vLLM: a request that ends on a stop token id or on EOS has the text of the tokens
+    before it (the stop token stays in token_ids); `include_stop_str_in_output` keeps its
+    text. With skip_special_tokens=False the EOS text was in the answer ("...<|im_end|>"),
+    and a stop token's text always was."""
+    p = prompts8[3]
+    ref = hf_greedy_cache(p, 10)
+    k = 4
+    kw = dict(skip_special_tokens=skip_special_tokens)
+    before, through = _text(llm16, p, max_tokens=k, **kw), _text(llm16, p, max_tokens=k + 1, **kw)
+    assert before != through  # the stop token has text of its own
+    for include, want in ((False, before), (True, through)):
+        got = _text(
+            llm16,
+            p,
+            max_tokens=10,
+            stop_token_ids=[ref[k]],
+            include_stop_str_in_output=include,
+            **kw,
+        )
+        assert got == want, include
+    # EOS: forced by a logit bias once min_tokens = 2 tokens are out
+    eos = llm16.llm_engine.eos_token_id
+    forced = dict(logit_bias={eos: 100.0}, min_tokens=2, **kw)
+    two = _text(llm16, p, max_tokens=2, **forced)
+    out = llm16.generate(
+        {"prompt_token_ids": p},
+        SamplingParams(temperature=0, max_tokens=10, **forced),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert out.token_ids[-1] == eos and len(out.token_ids) == 3 and out.finish_reason == "stop"
+    assert out.text == two
+    kept = _text(llm16, p, max_tokens=10, include_stop_str_in_output=True, **forced)
+    eos_text = llm16.get_tokenizer().decode([eos], skip_special_tokens=skip_special_tokens)
+    assert kept == two + eos_text and (eos_text != "") == (not skip_special_tokens)
+
+
 def test_top_k_one_and_tiny_top_p_are_greedy(llm16, prompts8, hf_greedy_cache):
     p = prompts8[5]
     for params in (

@@ -14,6 +14,11 @@ before the stop string, or just after it with `include_stop_str_in_output`. Whil
 the last `len(longest stop) - 1` characters are held back, since they could still turn into
 a stop string; they are released when the request ends another way. Bytes that never
 complete a character are released at the end as the full decode shows them (U+FFFD).
+
+A request that ends on its EOS or one of its `stop_token_ids` leaves that token's text out
+(the token stays in the output's ids), unless `include_stop_str_in_output`, as vLLM does:
+with `skip_special_tokens=False` the EOS text (e.g. "<|im_end|>") is not in the answer, and a
+stop token's text (e.g. a newline) ends it without appearing.
 """
 
 from __future__ import annotations
@@ -51,19 +56,26 @@ class IncrementalDetokenizer:
         self._stream = None
         self._context = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
         self._stopped = False
+        self._decoded: list[int] | None = None  # the ids the text shows, when not all of them
         if self._backend is not None and params.detokenize:
             self._stream = DecodeStream(
                 ids=list(self._context), skip_special_tokens=params.skip_special_tokens
             )
 
-    def update(self, output_token_ids: list[int]) -> str | None:
+    def update(self, output_token_ids: list[int], stop_terminated: bool = False) -> str | None:
         """Adds the tokens of `output_token_ids` (the request's whole output so far) not yet
         decoded to the text; returns the stop string matched, if any (the text is then cut
-        as the module docstring says)."""
+        as the module docstring says). `stop_terminated`: the last token ends the request
+        (its EOS or a stop token id): its text is left out unless
+        `include_stop_str_in_output`."""
         new_token_ids = output_token_ids[self.num_tokens :]
         self.num_tokens = len(output_token_ids)
         if not self.params.detokenize or self._tokenizer is None:
             return None
+        if stop_terminated and not self.params.include_stop_str_in_output and new_token_ids:
+            new_token_ids = new_token_ids[:-1]
+            output_token_ids = output_token_ids[:-1]
+            self._decoded = output_token_ids  # what the text shows, for `flush`
         before = len(self.output_text)
         if self._stream is not None:
             for t in new_token_ids:
@@ -99,6 +111,8 @@ class IncrementalDetokenizer:
         `output_token_ids` (the request's whole output) shows them."""
         if self._stream is None or self._stopped:
             return
+        if self._decoded is not None:  # ended on a stop token whose text is left out
+            output_token_ids = self._decoded
         skip = self.params.skip_special_tokens
         full = self._tokenizer.decode(
             self._context + list(output_token_ids), skip_special_tokens=skip
