@@ -301,6 +301,8 @@ class SpeculativeConfig:
     @classmethod
     def from_value(cls, value) -> SpeculativeConfig | None:
         """From a dict or its JSON text (`--speculative-config '{...}'`); None stays None.
+        Without `method`, vLLM's inference: `model` "ngram" or "[ngram]" means "ngram",
+        another `model` "draft_model".
 
         Raises:
             ValueError: invalid JSON, an unknown key, or an invalid value (named).
@@ -320,8 +322,15 @@ class SpeculativeConfig:
         unknown = sorted(set(value) - names)
         if unknown:
             raise ValueError(f"unknown speculative_config key(s): {', '.join(unknown)}")
+        value = dict(value)
+        if value.get("method") is None:  # inferred from `model`, as vLLM does
+            model = value.get("model")
+            if model in ("ngram", "[ngram]"):
+                value["method"], value["model"] = "ngram", None
+            elif model:
+                value["method"] = "draft_model"
         for key in ("method", "num_speculative_tokens"):
-            if key not in value:
+            if key not in value or value[key] is None:
                 raise ValueError(f"speculative_config.{key} is required")
         return cls(**value)
 

@@ -136,6 +136,7 @@ def resolve_engine_config(args) -> EngineConfig:
         logger.info("pipeline stages of uneven size: %s layers", list(stage_sizes))
     arch = _expert_parallel_arch(arch, args)
     on_cpu = jax.default_backend() == "cpu"
+    _check_cpu_offload(args.cpu_offload_gb, on_cpu)
     dtype = args.dtype
     if dtype == "auto":
         dtype = loader.checkpoint_dtype(source)
@@ -287,6 +288,22 @@ def _expert_parallel_arch(arch, args):
             f"divide the model's {num_experts} experts"
         )
     return dataclasses.replace(arch, expert_parallel=True)
+
+
+def _check_cpu_offload(gb, on_cpu: bool) -> None:
+    """vLLM's cpu_offload_gb: a number >= 0; > 0 only where the weights are in host memory
+    anyway (CPU).
+
+    Raises:
+        ValueError: a negative or non-numeric value, or > 0 on an accelerator.
+    """
+    if isinstance(gb, bool) or not isinstance(gb, int | float) or gb < 0:
+        raise ValueError(f"cpu_offload_gb must be a number >= 0, got {gb!r}")
+    if gb > 0 and not on_cpu:
+        raise ValueError(
+            f"cpu_offload_gb={gb} is not supported: weights are not offloaded to host memory "
+            "on an accelerator (use quantization or more devices to fit a larger model)"
+        )
 
 
 def _check_native(field: str, on_one_cpu_device: bool) -> None:

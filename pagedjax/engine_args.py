@@ -132,6 +132,11 @@ class EngineArgs:
     )
     enable_prefix_caching: bool = _field(True, "Automatic prefix caching.")
     swap_space: float = _field(4.0, "Host memory (GiB) for swapped-out KV blocks.")
+    cpu_offload_gb: float = _field(
+        0.0,
+        "Accepted for vLLM compatibility: on CPU the weights are in host memory already (no "
+        "effect); on an accelerator only 0 (weight offloading is not implemented).",
+    )
     kv_cache_dtype: str = _field(
         "auto",
         "KV cache dtype: 'auto' (the model dtype) or fp8 (float8 e4m3, scaled by the "

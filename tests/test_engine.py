@@ -295,6 +295,16 @@ def test_bad_engine_and_sampling_arguments_name_the_field(make_llm, tiny_llama_d
     args = EngineArgs(model=str(tiny_llama_dir), attention_backend="cpu", tensor_parallel_size=2)
     with pytest.raises(ValueError, match="attention_backend 'cpu' runs on one CPU device"):
         args.create_engine_config()
+    # vLLM's cpu_offload_gb is accepted (on CPU the weights are in host memory already);
+    # it was "unknown engine argument(s)"
+    EngineArgs(model=str(tiny_llama_dir), cpu_offload_gb=2).create_engine_config()
+    with pytest.raises(ValueError, match="cpu_offload_gb must be a number >= 0"):
+        EngineArgs(model=str(tiny_llama_dir), cpu_offload_gb=-1).create_engine_config()
+    from pagedjax.config_resolution import _check_cpu_offload
+
+    _check_cpu_offload(0, on_cpu=False)
+    with pytest.raises(ValueError, match="cpu_offload_gb=2 is not supported"):
+        _check_cpu_offload(2, on_cpu=False)  # an accelerator
 
 
 def test_cuda_graph_sizes_set_the_step_buckets(tiny_llama_dir):

@@ -186,6 +186,23 @@ def test_bad_speculative_configs_name_the_field(value, match):
         SpeculativeConfig.from_value(value)
 
 
+@pytest.mark.parametrize(
+    "value, method, model",
+    [
+        ({"model": "[ngram]", "num_speculative_tokens": 3}, "ngram", None),
+        ({"model": "ngram", "num_speculative_tokens": 3}, "ngram", None),
+        ({"model": "/some/draft", "num_speculative_tokens": 3}, "draft_model", "/some/draft"),
+        ({"method": None, "model": "ngram", "num_speculative_tokens": 3}, "ngram", None),
+    ],
+)
+def test_the_method_is_inferred_from_the_model_as_in_vllm(value, method, model):
+    """vLLM's older spelling, {"model": "[ngram]", ...}, was "method is required"."""
+    spec = SpeculativeConfig.from_value(value)
+    assert (spec.method, spec.model, spec.num_speculative_tokens) == (method, model, 3)
+    with pytest.raises(ValueError, match="speculative_config.method is required"):
+        SpeculativeConfig.from_value({"num_speculative_tokens": 3})
+
+
 def test_draft_with_another_vocabulary_is_refused(tiny_llama_dir, tmp_path):
     from pagedjax.engine_args import EngineArgs
 
