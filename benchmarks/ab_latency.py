@@ -36,7 +36,7 @@ def run(tree: str, latency_args: list[str]) -> dict:
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--a", required=True, help="source tree A (the baseline)")
     p.add_argument("--b", default=str(Path(__file__).resolve().parent.parent))
     p.add_argument("--pairs", type=int, default=3)

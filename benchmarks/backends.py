@@ -254,7 +254,7 @@ BACKENDS = {
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("backend", choices=sorted(BACKENDS))
     p.add_argument("--workload", required=True)
     p.add_argument("--out", required=True)

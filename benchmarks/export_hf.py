@@ -3,7 +3,9 @@ Hugging Face folder (config.json, model.safetensors, tokenizer), for engines tha
 the GGUF file: `python -m benchmarks.export_hf OUT_DIR`.
 
 transformers refuses to save a model loaded from GGUF while its config carries the GGUF
-`quantization_config`, so the weights are copied into a fresh model first.
+`quantization_config`, so the weights are copied into a fresh model first. It needs torch,
+gguf and accelerate (transformers reads GGUF through them): the `test` extra has them
+(`pip install -e '.[test]'`).
 """
 
 from __future__ import annotations
@@ -11,8 +13,23 @@ from __future__ import annotations
 import os
 import sys
 
+NEEDS = ("torch", "accelerate", "gguf")
+
 
 def export(out: str) -> str:
+    """Writes the folder; returns `out`.
+
+    Raises:
+        SystemExit: torch, accelerate or gguf is not installed (the message says how).
+    """
+    import importlib.util
+
+    missing = [m for m in NEEDS if importlib.util.find_spec(m) is None]
+    if missing:
+        raise SystemExit(
+            f"export_hf needs {', '.join(missing)} (transformers loads GGUF through them): "
+            "pip install -e '.[test]' (or pip install torch==2.13.0 accelerate gguf)"
+        )
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 

@@ -48,7 +48,7 @@ class _Capture(logging.Handler):
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batch-size", type=_ints, default=[8, 64])
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=16)

@@ -89,13 +89,15 @@ def run_batch(llm, batch: int, waiting: int, ns, rnd: random.Random) -> dict:
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="default: the SmolLM2-135M GGUF")
     p.add_argument("--batch-size", type=_ints, default=[8, 64, 256])
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=16)
     p.add_argument("--waiting", type=_ints, default=[0], help="extra queued requests")
-    p.add_argument("--reps", type=int, default=3)
+    p.add_argument(
+        "--reps", "--num-iters", type=int, default=3, help="timed runs (vLLM's --num-iters)"
+    )
     p.add_argument("--dtype", default="float32")
     p.add_argument("--kv-cache-dtype", default="auto", help="auto | fp8 | fp8_e5m2")
     p.add_argument("--cpu-kernel-isa", default="auto", help="auto | avx512 | avx2 | portable")

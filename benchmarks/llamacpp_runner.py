@@ -64,7 +64,7 @@ def decode(llm, prompt: list[int], max_tokens: int) -> dict:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("model", help="the GGUF file")
     p.add_argument("--n-threads", type=int, required=True, help="decode and prompt threads")
     p.add_argument("--n-ctx", type=int, default=512, help="context length (tokens)")

@@ -237,7 +237,7 @@ def _print(row: dict) -> None:
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="default: the SmolLM2-135M GGUF")
     p.add_argument("--counts", type=_ints, default=[256, 2048])
     p.add_argument("--prompt-words", type=int, default=5, help="about 10 tokens with SmolLM2")

@@ -75,7 +75,7 @@ def workload_flops(arch, reqs: list[dict]) -> dict:
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dtype", default="float32")
     p.add_argument("--out", default=None)
     ns = p.parse_args(argv)

@@ -247,7 +247,7 @@ def workload(reps: int) -> dict:
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="benchmarks/results/moe.json")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--skip-workload", action="store_true")

@@ -125,7 +125,7 @@ def markdown(result: dict) -> str:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=None, help="Write the result as JSON here.")
     p.add_argument("--modes", default=",".join(MODES), help=f"Comma-separated, of {list(MODES)}")
     ns = p.parse_args(argv)

@@ -34,7 +34,7 @@ def _ints(s: str) -> list[int]:
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--m", type=_ints, default=[1, 8, 64])
     p.add_argument("--trials", type=int, default=7)
     p.add_argument("--isas", default=None, help="comma-separated ISA paths (default: all)")

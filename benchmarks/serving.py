@@ -185,7 +185,7 @@ def plot(out: str, paths: list[str]) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--url", default=None, help="A running server (default: start one).")
     p.add_argument("--model", default=None, help="Model for the started server.")
     p.add_argument("--workload", default="standard", help="standard, shared-prefix or a file.")

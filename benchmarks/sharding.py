@@ -101,7 +101,7 @@ def run_layout(model: str, name: str, ns) -> dict:
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="checkpoint (default: a tiny random Llama)")
     p.add_argument("--devices", type=int, default=8, help="simulated CPU devices")
     p.add_argument("--num-layers", type=int, default=2, help="layers of the default model")

@@ -1,5 +1,5 @@
 """Speculative decoding: single-request decode speed with and without it, acceptance, and the
-host cost of n-gram proposals (also `pagedjax bench spec_decode`).
+host cost of n-gram proposals (also `pagedjax bench spec-decode`).
 
     python -m benchmarks.spec_decode [--speculative-config JSON] [--num-prompts 4]
         [--output-len 128] [--reps 2] [--out benchmarks/results/spec_decode.json]
@@ -88,7 +88,7 @@ def ngram_cost(lengths=(256, 1024, 4096), k: int = 4) -> dict[int, float]:
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="default: the SmolLM2-135M GGUF")
     p.add_argument("--speculative-config", default=DEFAULT_SPEC)
     p.add_argument("--num-prompts", type=int, default=4)

@@ -79,7 +79,7 @@ def _child(ns) -> dict:
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cores", nargs="+", default=["0", "0,1"])
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--out", default="benchmarks/results/step_threads.json")

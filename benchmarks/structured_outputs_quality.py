@@ -640,7 +640,7 @@ async def run(url: str, ns) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="benchmarks/results/structured_outputs_quality.json")
     p.add_argument("--url", default=None, help="A running server (default: start one).")
     p.add_argument("--model", default=None, help="Model for the started server.")

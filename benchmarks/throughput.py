@@ -100,7 +100,7 @@ def _matmul_peak(ns) -> dict:
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workload", default=str(STANDARD_WORKLOAD))
     p.add_argument(
         "--backends",
