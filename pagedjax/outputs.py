@@ -52,12 +52,15 @@ class RequestMetrics:
             request that ended before any step ran it).
         first_token_time: when the step that gave its first token ended.
         finished_time: when the step that finished it ended.
+        num_preemptions: times a step preempted it (all n sequences together), counted
+            when it finishes.
     """
 
     arrival_time: float
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    num_preemptions: int = 0
 
 
 @dataclasses.dataclass

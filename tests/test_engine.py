@@ -58,6 +58,8 @@ def test_greedy_batch_matches_hf(make_llm, tiny_llama_dir, prompts8, hf_greedy_c
     if "num_gpu_blocks_override" in config:
         stats = llm.llm_engine.scheduler.stats()
         assert stats.num_preemptions > 0, "the small pool should force preemptions"
+        # each output counts its own request's preemptions
+        assert sum(o.metrics.num_preemptions for o in outs) == stats.num_preemptions
     _assert_idle_and_whole(llm)
 
 

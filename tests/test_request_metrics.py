@@ -11,9 +11,13 @@ from pagedjax.engine.request_metrics import LiveRequest, record_output
 from pagedjax.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedjax.sampling_params import RequestOutputKind
 
-# arrival 100 s, first scheduled 101.5 s, first token 103 s, finished 107 s
+# arrival 100 s, first scheduled 101.5 s, first token 103 s, finished 107 s, 3 preemptions
 TIMES = RequestMetrics(
-    arrival_time=100.0, first_scheduled_time=101.5, first_token_time=103.0, finished_time=107.0
+    arrival_time=100.0,
+    first_scheduled_time=101.5,
+    first_token_time=103.0,
+    finished_time=107.0,
+    num_preemptions=3,
 )
 
 
@@ -67,6 +71,7 @@ def test_a_finished_request_gives_the_phase_histograms(kind):
     assert _value(m, "vllm:request_prefill_kv_computed_tokens_sum") == 1
     # 4 s of decoding over the longest sequence's 4 tokens after its first
     assert _value(m, "vllm:request_time_per_output_token_seconds_sum") == 1.0
+    assert _value(m, "vllm:request_num_preemptions_sum") == 3
     for name, seconds in [
         ("queue", 1.5),  # first scheduled - arrival
         ("prefill", 1.5),  # first token - first scheduled

@@ -434,6 +434,8 @@ def test_metrics_count_one_request_exactly(server, client, llm):
     assert delta["vllm:iteration_tokens_total_sum"] == 7 + 8
     assert delta["vllm:request_params_n_sum"] == 1
     assert delta["vllm:request_params_max_tokens_sum"] == 9
+    assert delta["vllm:request_num_preemptions_count"] == 1
+    assert delta["vllm:request_num_preemptions_sum"] == 0
     for phase in ("queue", "prefill", "decode", "inference"):
         assert delta[f"vllm:request_{phase}_time_seconds_count"] == 1, phase
     assert delta["vllm:request_prefill_time_seconds_sum"] > 0

@@ -156,6 +156,9 @@ class OutputProcessor:
             finished = all(c.request.is_finished for c in parent.children)
             if finished:
                 parent.metrics.finished_time = time.time()
+                parent.metrics.num_preemptions = sum(
+                    c.request.num_preemptions for c in parent.children
+                )
                 self.remove(parent.request_id)
             if finished or parent.params.output_kind != RequestOutputKind.FINAL_ONLY:
                 outputs.append(self.make_output(parent, finished))

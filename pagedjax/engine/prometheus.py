@@ -32,6 +32,8 @@ Names (vLLM v1 where it has one; prometheus-client appends `_total` to counters)
                                                        sequences, tokens
     vllm:request_params_n / vllm:request_params_max_tokens  histograms, the request's n and
                                                        max_tokens
+    vllm:request_num_preemptions                       histogram, preemptions of a finished
+                                                       request
     vllm:cache_config_info                             gauge = 1, the cache config as labels
     vllm:spec_decode_num_drafts                        counter, verification runs
     vllm:spec_decode_num_draft_tokens                  counter, proposed tokens
@@ -70,6 +72,7 @@ _LATENCY_BUCKETS_LONG = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
 _GRAMMAR_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 _PHASE_BUCKETS = (*_LATENCY_BUCKETS, 120.0, 300.0, 600.0)
 _N_BUCKETS = (1, 2, 5, 10, 20)
+_PREEMPTION_BUCKETS = (0, 1, 2, 5, 10, 20, 50)
 _STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
 
@@ -214,6 +217,11 @@ class PrometheusStatLogger:
             "Generated tokens of a finished request's longest sequence.",
             _TOKEN_BUCKETS,
         )
+        self.request_preemptions = histogram(
+            "vllm:request_num_preemptions",
+            "Times a finished request was preempted.",
+            _PREEMPTION_BUCKETS,
+        )
         self.params_n = histogram(
             "vllm:request_params_n", "The n of finished requests.", _N_BUCKETS
         )
@@ -338,6 +346,7 @@ class PrometheusStatLogger:
         if max_tokens is not None:
             self.params_max_tokens.observe(max_tokens)
         if times is not None:
+            self.request_preemptions.observe(times.num_preemptions)
             for hist, start, end in (
                 (self.queue_time, times.arrival_time, times.first_scheduled_time),
                 (self.prefill_time, times.first_scheduled_time, times.first_token_time),
