@@ -105,6 +105,11 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generates replies to conversations rendered with the tokenizer's chat template.
 
+        As in vLLM, each output's `prompt` is the rendered text and `prompt_token_ids` its
+        ids (the text tokenized without added special tokens, as `apply_chat_template`
+        tokenizes; `prompt` is None where a `chat_template_kwargs` key changes the
+        template's own tokenization).
+
         Args:
             messages: one conversation (a list of OpenAI-style message dicts: "role",
                 "content" as a string or text parts, and for tool use "tool_calls" and
@@ -127,20 +132,25 @@ class LLM:
         """
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         tok = self.get_tokenizer()
-        prompts = [
-            {
-                "prompt_token_ids": render_conversation(
-                    tok,
-                    conv,
-                    chat_template=chat_template,
-                    tools=tools,
-                    add_generation_prompt=add_generation_prompt,
-                    continue_final_message=continue_final_message,
-                    chat_template_kwargs=chat_template_kwargs,
-                )
-            }
-            for conv in conversations
-        ]
+        prompts = []
+        for conv in conversations:
+            rendered: list[str] = []
+
+            def encode(text: str, rendered: list[str] = rendered) -> list[int]:
+                rendered.append(text)  # the output's `prompt`, as in vLLM
+                return tok.encode(text, add_special_tokens=False)
+
+            ids = render_conversation(
+                tok,
+                conv,
+                chat_template=chat_template,
+                tools=tools,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                chat_template_kwargs=chat_template_kwargs,
+                encode=encode,
+            )
+            prompts.append({"prompt_token_ids": ids, "prompt": rendered[0] if rendered else None})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def beam_search(

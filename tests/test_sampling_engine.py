@@ -317,6 +317,7 @@ def test_chat_renders_the_template_exactly(llm):
     want = tok.apply_chat_template(conv, add_generation_prompt=True, tokenize=False)
     assert tok.decode(out.prompt_token_ids) == want
     assert out.prompt_token_ids == tok(want, add_special_tokens=False).input_ids
+    assert out.prompt == want  # vLLM's chat outputs carry the rendered text
     cont = llm.chat(
         conv + [{"role": "assistant", "content": "Hel"}],
         SamplingParams(max_tokens=2),
@@ -325,6 +326,7 @@ def test_chat_renders_the_template_exactly(llm):
         use_tqdm=False,
     )[0]
     assert tok.decode(cont.prompt_token_ids).endswith("<|assistant|>Hel")
+    assert cont.prompt.endswith("<|assistant|>Hel")
 
 
 @pytest.mark.parametrize("beams", [2, 4])
