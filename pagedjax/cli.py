@@ -17,6 +17,7 @@ import logging
 import sys
 
 from pagedjax.engine_args import EngineArgs
+from pagedjax.utils.argparse_utils import FlexibleArgumentParser
 
 # Sampling flags that fall back to the model's generation config (`default_sampling_fields`)
 SAMPLING_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -72,9 +73,10 @@ EPILOG = """examples:
 vLLM's name (--max-model-len, --block-size, ...)."""
 
 
-class _Parser(argparse.ArgumentParser):
+class _Parser(FlexibleArgumentParser):
     """An ArgumentParser whose subcommands report unknown arguments with their own usage
-    (argparse leaves them to the top-level parser) and suggest a near-miss flag."""
+    (argparse leaves them to the top-level parser) and suggest a near-miss flag; flags may be
+    spelled with underscores (`--max_model_len`), as vLLM's CLI allows."""
 
     def parse_known_args(self, args=None, namespace=None):
         ns, extras = super().parse_known_args(args, namespace)

@@ -18,6 +18,8 @@ if TYPE_CHECKING:  # jax-free at import time: the scheduler imports this module
 
 ALLOWED_BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# vLLM's other spellings of two of them (its --dtype choices), read as the names above.
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 ATTENTION_BACKENDS = ("auto", *choices.ATTENTION_BACKENDS)
 LINEAR_BACKENDS = ("auto", *choices.LINEAR_BACKENDS)
 CPU_KERNEL_ISAS = ("auto", *choices.CPU_KERNEL_ISAS)

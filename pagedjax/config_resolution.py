@@ -16,6 +16,7 @@ from pagedjax.config import (
     ATTENTION_BACKENDS,
     CPU_DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
+    DTYPE_ALIASES,
     DTYPES,
     GGUF_ACTIVATIONS,
     GPU_DEFAULT_MAX_NUM_BATCHED_TOKENS,
@@ -94,8 +95,10 @@ def resolve_engine_config(args) -> EngineConfig:
 
     distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
 
+    if args.dtype in DTYPE_ALIASES:  # vLLM's "half" and "float"
+        args = dataclasses.replace(args, dtype=DTYPE_ALIASES[args.dtype])
     if args.dtype not in DTYPES:
-        raise _bad("dtype", f"one of {DTYPES}", args.dtype)
+        raise _bad("dtype", f"one of {DTYPES} (or 'half', 'float')", args.dtype)
     if args.tokenizer_mode not in ("auto", "hf"):
         raise _bad(
             "tokenizer_mode",

@@ -19,6 +19,7 @@ from pagedjax.config import (
     ALLOWED_BLOCK_SIZES,
     ATTENTION_BACKENDS,
     CPU_KERNEL_ISAS,
+    DTYPE_ALIASES,
     DTYPES,
     EXECUTOR_BACKENDS,
     GGUF_ACTIVATIONS,
@@ -107,7 +108,11 @@ class EngineArgs:
         "(default: the model path or id as given, as in vLLM).",
         nargs="+",
     )
-    dtype: str = _field("auto", "Weights and activations dtype.", choices=DTYPES)
+    dtype: str = _field(
+        "auto",
+        "Weights and activations dtype ('half' and 'float' as in vLLM: float16, float32).",
+        choices=(*DTYPES, *DTYPE_ALIASES),
+    )
     seed: int = _field(0, "Engine seed; requests without a seed draw one from it.")
     max_model_len: int | None = _field(
         None,
@@ -154,15 +159,15 @@ class EngineArgs:
     enable_chunked_prefill: bool = _field(True, "Prefill long prompts over several steps.")
     scheduling_policy: str = _field("fcfs", "Scheduling policy.", choices=SCHEDULING_POLICIES)
     preemption_mode: str = _field("recompute", "What preemption does.", choices=PREEMPTION_MODES)
-    tensor_parallel_size: int = _field(1, "Tensor-parallel size.")
-    pipeline_parallel_size: int = _field(1, "Pipeline-parallel size.")
+    tensor_parallel_size: int = _field(1, "Tensor-parallel size.", aliases=("-tp",))
+    pipeline_parallel_size: int = _field(1, "Pipeline-parallel size.", aliases=("-pp",))
     pp_layer_partition: str | None = _field(
         None,
         "Decoder layers of each pipeline stage, comma-separated (e.g. '16,14'; vLLM's "
         "VLLM_PP_LAYER_PARTITION); default: an even split, the remainder on the stages "
         "before the last.",
     )
-    data_parallel_size: int = _field(1, "Data-parallel size.")
+    data_parallel_size: int = _field(1, "Data-parallel size.", aliases=("-dp",))
     enable_expert_parallel: bool = _field(
         False,
         "Mixture-of-experts models: spread whole experts over the tensor-parallel devices "
@@ -266,16 +271,18 @@ class EngineArgs:
         return cls(**kwargs)
 
     @classmethod
-    def add_cli_args(cls, parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
-        """Adds one `--kebab-case` flag per field (vLLM's flag names)."""
+    def add_cli_args(cls, parser, skip: tuple[str, ...] = ()):
+        """Adds one `--kebab-case` flag per field (vLLM's flag names, and its `-tp`, `-pp`
+        and `-dp`) to `parser` (an `argparse.ArgumentParser` or argument group) and returns
+        it, as vLLM's does (`parser = EngineArgs.add_cli_args(parser)`)."""
         for f in dataclasses.fields(cls):
             if f.name in skip:
                 continue
-            flag = "--" + f.name.replace("_", "-")
+            flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
             help_ = f.metadata.get("help", "")
             if f.type in ("bool", bool):
                 parser.add_argument(
-                    flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_
+                    *flags, action=argparse.BooleanOptionalAction, default=f.default, help=help_
                 )
                 continue
             typ = {"int": int, "float": float}.get(str(f.type).replace(" | None", ""), str)
@@ -286,7 +293,8 @@ class EngineArgs:
                 kw["nargs"] = f.metadata["nargs"]
             if "choices" in f.metadata:  # None is the flag left out, not a value to type
                 kw["choices"] = [c for c in f.metadata["choices"] if c is not None]
-            parser.add_argument(flag, **kw)
+            parser.add_argument(*flags, **kw)
+        return parser
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:

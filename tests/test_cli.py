@@ -70,6 +70,56 @@ def test_vllm_flags_that_change_nothing_here_are_accepted():
         cli.build_parser().parse_args(["serve", "--tokenizer-mode", "slow"])
 
 
+def test_flags_may_be_spelled_with_underscores_as_in_vllm():
+    """`vllm serve --max_model_len 512` works; so does ours. Values keep their underscores,
+    and an unknown flag is still refused."""
+    ns = cli.build_parser().parse_args(
+        ["serve", "--max_model_len", "512", "--block_size=16", "--enable_prefix_caching"]
+        + ["--served_model_name", "my_model"]
+    )
+    assert (ns.max_model_len, ns.block_size, ns.enable_prefix_caching) == (512, 16, True)
+    assert ns.served_model_name in (["my_model"], "my_model")
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["serve", "--max_model_lenn", "512"])
+
+
+def test_vllms_short_parallel_flags_and_dtype_spellings():
+    """vLLM's `-tp 2`, `-pp`, `-dp` and `--dtype half` / `float` (each was a usage error)."""
+    ns = cli.build_parser().parse_args(["serve", "-tp", "2", "-pp", "1", "-dp", "1"])
+    assert (ns.tensor_parallel_size, ns.pipeline_parallel_size, ns.data_parallel_size) == (
+        2,
+        1,
+        1,
+    )
+    assert cli.build_parser().parse_args(["serve", "--dtype", "half"]).dtype == "half"
+    assert cli.build_parser().parse_args(["serve", "--dtype", "float"]).dtype == "float"
+
+
+def test_vllm_scripts_argument_parsing_runs_unchanged():
+    """vLLM's example scripts: `FlexibleArgumentParser` from `<package>.utils` (or
+    `.utils.argparse_utils`), `parser = EngineArgs.add_cli_args(parser)`, then
+    `LLM(**vars(args))`-style use of the namespace."""
+    from pagedjax import EngineArgs
+    from pagedjax.utils import FlexibleArgumentParser
+    from pagedjax.utils.argparse_utils import FlexibleArgumentParser as same
+    from pagedjax.utils.argparse_utils import normalize_flag_names
+
+    assert same is FlexibleArgumentParser
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    assert parser is not None
+    ns = parser.parse_args(["--max_model_len=256", "--kv_cache_dtype", "fp8", "-tp", "1"])
+    assert (ns.max_model_len, ns.kv_cache_dtype, ns.tensor_parallel_size) == (256, "fp8", 1)
+    assert EngineArgs.from_cli_args(ns).max_model_len == 256
+    # values and whatever follows a bare "--" keep their underscores
+    assert normalize_flag_names(["--a_b=c_d", "x_y", "-t_p", "--", "--e_f"]) == [
+        "--a-b=c_d",
+        "x_y",
+        "-t_p",
+        "--",
+        "--e_f",
+    ]
+
+
 @pytest.mark.parametrize(
     "text, tokens",
     [("2048", 2048), ("2k", 2000), ("2K", 2048), ("25.6k", 25600), ("0.3k", 300), ("1M", 2**20)],

@@ -297,6 +297,10 @@ def test_bad_engine_and_sampling_arguments_name_the_field(make_llm, tiny_llama_d
     args = EngineArgs(model=str(tiny_llama_dir), attention_backend="cpu", tensor_parallel_size=2)
     with pytest.raises(ValueError, match="attention_backend 'cpu' runs on one CPU device"):
         args.create_engine_config()
+    # vLLM's dtype spellings "half" and "float" (they were "dtype must be one of ...")
+    for alias, dtype in (("half", "float16"), ("float", "float32")):
+        config = EngineArgs(model=str(tiny_llama_dir), dtype=alias).create_engine_config()
+        assert config.model_config.dtype == dtype
     # vLLM's cpu_offload_gb is accepted (on CPU the weights are in host memory already);
     # it was "unknown engine argument(s)"
     EngineArgs(model=str(tiny_llama_dir), cpu_offload_gb=2).create_engine_config()
