@@ -32,6 +32,9 @@ _EXPORTS = {
     "Logprob": "pagedjax.outputs",
     "BeamSearchOutput": "pagedjax.outputs",
     "LLMEngine": "pagedjax.engine.engine",
+    "AsyncLLM": "pagedjax.engine.async_llm",
+    "AsyncLLMEngine": "pagedjax.engine.async_llm",
+    "AsyncEngineArgs": "pagedjax.engine_args",
     "TokensPrompt": "pagedjax.inputs",
     "TextPrompt": "pagedjax.inputs",
 }

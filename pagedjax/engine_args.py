@@ -309,3 +309,7 @@ class EngineArgs:
                 missing model, or an unsupported architecture.
         """
         return resolve_engine_config(self)
+
+
+# vLLM's name for the server's engine arguments (there a subclass; here the same fields)
+AsyncEngineArgs = EngineArgs

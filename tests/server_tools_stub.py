@@ -92,7 +92,7 @@ class StubEngine:
     def shutdown(self):
         pass
 
-    def abort(self, request_id):
+    def abort_nowait(self, request_id):
         pass
 
     async def add_requests(self, requests, priority=0, check_max_tokens=False):

@@ -261,6 +261,43 @@ def test_abandoned_request_is_aborted_and_frees_its_blocks(engine):
     assert _aborted(engine) == count0 + 1
 
 
+@pytest.mark.parametrize("kind", [RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE])
+def test_abort_from_elsewhere_ends_the_stream_with_an_abort_output(engine, kind):
+    """vLLM's `await engine.abort(request_id)` while another task reads the request: the
+    stream ends with a last, finished output whose samples say "abort" (it used to wait for
+    ever: `abort` was not awaitable and the stream got nothing more), the blocks are freed,
+    and the tokens received add up to those of the last cumulative output."""
+
+    async def main():
+        params = _params(kind, ignore_eos=True, n=2)
+        params.max_tokens = 200
+        outs = []
+
+        async def read():
+            async for out in engine.generate(PROMPTS[1], params, "elsewhere"):
+                outs.append(out)
+                if len(outs) == 3:
+                    await engine.abort(["elsewhere"])
+
+        await asyncio.wait_for(read(), timeout=60)
+        await _settle(engine)
+        return outs
+
+    count0 = _aborted(engine)
+    outs = asyncio.run(main())
+    last = outs[-1]
+    assert last.finished and all(not o.finished for o in outs[:-1])
+    assert {o.index for o in last.outputs} == {0, 1}
+    assert all(o.finish_reason == "abort" for o in last.outputs)
+    for i in (0, 1):
+        got = [t for out in outs for o in out.outputs if o.index == i for t in o.token_ids]
+        if kind == RequestOutputKind.CUMULATIVE:
+            got = next(o.token_ids for o in last.outputs if o.index == i)
+        assert 1 <= len(got) < 200
+    assert _pool_whole(engine)
+    assert _aborted(engine) == count0 + 1
+
+
 def test_a_failing_step_fails_only_the_requests_in_flight(engine, llm, monkeypatch):
     runner = engine.engine.runner
     real = runner.execute
@@ -433,3 +470,13 @@ def test_bad_words_are_tokenized_in_one_call_and_capped(llm, monkeypatch):
         assert info.value.param == "bad_words"
     assert len(calls) == 1  # the over-long list was refused before tokenizing
     assert MAX_BAD_WORDS == 1024
+
+
+def test_vllms_async_names_import_from_the_package():
+    """`from vllm import AsyncLLMEngine, AsyncEngineArgs` and vLLM's `AsyncLLM`: the same
+    names from `pagedjax` (`AsyncLLM` was only in `pagedjax.engine.async_llm`)."""
+    import pagedjax
+    from pagedjax import AsyncEngineArgs, AsyncLLMEngine, EngineArgs
+
+    assert pagedjax.AsyncLLM is AsyncLLM is AsyncLLMEngine
+    assert AsyncEngineArgs is EngineArgs

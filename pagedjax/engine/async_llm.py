@@ -38,7 +38,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any
 
 from pagedjax.engine.dp_engine import DataParallelEngine
@@ -104,7 +104,7 @@ class RequestStream:
         """Aborts the request if it is still running (thread-safe, never blocks)."""
         if not self.finished:
             self.finished = True
-            self._engine.abort(self.request_id)
+            self._engine.abort_nowait(self.request_id)
 
 
 class AsyncLLM:
@@ -243,8 +243,16 @@ class AsyncLLM:
         finally:
             stream.abort()
 
-    def abort(self, request_id: str) -> None:
-        """Aborts a request wherever it is; its blocks are freed (thread-safe, non-blocking)."""
+    async def abort(self, request_id: str | Iterable[str]) -> None:
+        """vLLM's `AsyncLLM.abort`: aborts requests wherever they are; their blocks are freed
+        and each one's stream ends with a last output whose running samples have
+        finish_reason "abort" (unknown or finished ids are ignored)."""
+        for rid in [request_id] if isinstance(request_id, str) else list(request_id):
+            self.abort_nowait(rid)
+
+    def abort_nowait(self, request_id: str) -> None:
+        """`abort` from any thread, without an event loop (never blocks): the engine thread
+        aborts the request between two steps."""
         self._commands.put(("abort", request_id))
 
     def _process_inputs(
@@ -299,9 +307,13 @@ class AsyncLLM:
     def _handle(self, command: tuple) -> None:
         if command[0] == "abort":
             rid = command[1]
-            self._loops.pop(rid, None)
-            if self._live.pop(rid, None) is not None:
-                self.engine.abort_request(rid)
+            loop = self._loops.pop(rid, None)
+            live = self._live.pop(rid, None)
+            if live is not None:
+                # its last output ends the stream of a consumer still iterating (an abort
+                # from elsewhere); a stream aborted by its own consumer ignores it
+                for out in self.engine.abort_request(rid) or ():
+                    _call(loop, live.stream._put, out)
                 self.metrics.record_finished("abort", None, 0, 0)
             return
         _, requests, priority, streams, loop, ack = command
@@ -375,6 +387,10 @@ class AsyncLLM:
                 self._dead = e
         for rid, entry in live.items():
             _call(loops[rid], entry.stream._put, error)
+
+
+# vLLM's other name for its asynchronous engine (`from vllm import AsyncLLMEngine`)
+AsyncLLMEngine = AsyncLLM
 
 
 def _at_position(e: ValueError, i: int) -> ValueError:

@@ -76,13 +76,16 @@ class DataParallelEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         return min(self.replicas, key=lambda r: r.get_num_unfinished_requests())
 
-    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+    def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
+        """As `LLMEngine.abort_request`, on the replica that holds each request."""
         if isinstance(request_ids, str):
             request_ids = [request_ids]
+        outputs = []
         for rid in request_ids:
             replica = self._owner.pop(rid, None)
             if replica is not None:
-                replica.abort_request(rid)
+                outputs += replica.abort_request(rid)
+        return outputs
 
     def has_unfinished_requests(self) -> bool:
         return any(r.has_unfinished_requests() for r in self.replicas)

@@ -301,16 +301,25 @@ class LLMEngine:
         )
         self.stat_logger.on_request_added(len(inp.prompt_token_ids))
 
-    def abort_request(self, request_ids: str | Iterable[str]) -> None:
-        """Aborts requests wherever they are; their blocks are freed at once."""
+    def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
+        """Aborts requests wherever they are; their blocks are freed at once.
+
+        Returns each aborted request's last output (`finished`, in its `output_kind`; the
+        samples still running end with finish_reason "abort"), which vLLM's output
+        processor hands to an aborted request's stream; nothing for an unknown or finished
+        id."""
         if isinstance(request_ids, str):
             request_ids = [request_ids]
+        outputs = []
         for rid in request_ids:
             parent = self.output_processor.remove(rid)
             if parent is not None:
                 self.scheduler.finish_requests(
                     [c.request.request_id for c in parent.children], RequestStatus.FINISHED_ABORTED
                 )
+                parent.metrics.finished_time = time.time()
+                outputs.append(self.output_processor.make_output(parent, finished=True))
+        return outputs
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.output_processor.parents)
