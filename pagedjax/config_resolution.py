@@ -119,16 +119,19 @@ def resolve_engine_config(args) -> EngineConfig:
         raise _bad("max_logprobs", ">= 0", args.max_logprobs)
     if args.max_model_len is not None and args.max_model_len < 1:
         raise _bad("max_model_len", ">= 1", args.max_model_len)
+    source = loader.resolve_model_source(args.model, args.revision)
+    if source.from_hub_cache:
+        logger.info("%s: loaded from the Hugging Face cache (%s)", source.alias, source.path)
+    elif source.alias is not None:
+        logger.info("%s: no such local path; the bundled default model is loaded", source.alias)
     for field in ("revision", "tokenizer_revision"):
-        if getattr(args, field) is not None:
+        if getattr(args, field) is not None and not (field == "revision" and source.from_hub_cache):
             logger.warning(
-                "%s=%r is ignored: models load from local paths, which have no revisions",
+                "%s=%r is ignored: local paths have no revisions (only a hub id loaded from "
+                "the Hugging Face cache has)",
                 field,
                 getattr(args, field),
             )
-    source = loader.resolve_model_source(args.model)
-    if source.alias is not None:
-        logger.info("%s: no such local path; the bundled default model is loaded", source.alias)
     quantization = quant_loader.resolve_quantization(args.quantization, source)
     arch = loader.load_arch_config(source)
     pp_partition = stages.parse_layer_partition(args.pp_layer_partition)

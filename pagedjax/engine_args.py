@@ -93,8 +93,8 @@ class EngineArgs:
     )
     revision: str | None = _field(
         None,
-        "Accepted for vLLM compatibility: a hub revision; models load from local paths, which "
-        "have none, so a value is ignored with a warning.",
+        "The revision of a hub id loaded from the local Hugging Face cache (default: main); "
+        "a local path has none, so a value is then ignored with a warning.",
     )
     tokenizer_revision: str | None = _field(None, "As revision, for the tokenizer.")
     trust_remote_code: bool = _field(

@@ -120,18 +120,59 @@ def test_missing_paths_are_named(tmp_path):
 def test_the_default_models_hub_id_loads_the_bundled_file(tmp_path, monkeypatch):
     """`pagedjax serve HuggingFaceTB/SmolLM2-135M-Instruct` (a copied vLLM command line) loads
     the bundled GGUF under the id it was given; a local path of that name wins; any other
-    missing id is still an error."""
+    missing id (not in the Hugging Face cache either) is still an error."""
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     source = loader.resolve_model_source("HuggingFaceTB/SmolLM2-135M-Instruct")
     default = loader.resolve_model_source(None)
     assert (source.kind, source.path) == (default.kind, default.path)
     assert source.name == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert loader.resolve_model_source("SmolLM2-135M-Instruct").name == "SmolLM2-135M-Instruct"
-    with pytest.raises(ValueError, match="hub ids are not fetched"):
+    with pytest.raises(ValueError, match="nothing is downloaded"):
         loader.resolve_model_source("HuggingFaceTB/SmolLM2-360M-Instruct")
     monkeypatch.chdir(tmp_path)
     local = make_checkpoint(tmp_path / "SmolLM2-135M-Instruct")
     source = loader.resolve_model_source("SmolLM2-135M-Instruct")
     assert (source.kind, source.name) == ("hf", local.name)
+
+
+def test_a_hub_id_in_the_hugging_face_cache_loads_from_there(tmp_path, tiny_llama_dir, monkeypatch):
+    """As vLLM does offline: "org/name" that is not a local path loads its cached snapshot
+    (the ref's commit, or the revision asked for), under that id; an uncached revision or id
+    is an error that says nothing is downloaded (before, every hub id was refused)."""
+    import huggingface_hub.constants
+    from transformers import AutoTokenizer
+
+    from pagedjax import EngineArgs
+
+    hub = tmp_path / "hub"
+    repo = hub / "models--org--tiny"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    shutil.copytree(tiny_llama_dir, repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(hub))
+    monkeypatch.chdir(tmp_path)  # no local folder named "org/tiny"
+
+    for revision in (None, "main", commit):
+        source = loader.resolve_model_source("org/tiny", revision)
+        assert (source.kind, source.name, source.from_hub_cache) == ("hf", "org/tiny", True)
+        assert source.path == str(repo / "snapshots" / commit)
+    with pytest.raises(ValueError, match="at revision 'v2'.*nothing is downloaded"):
+        loader.resolve_model_source("org/tiny", "v2")
+    with pytest.raises(ValueError, match="nothing is downloaded"):
+        loader.resolve_model_source("org/other")
+    mc = EngineArgs(model="org/tiny").create_engine_config().model_config
+    assert (mc.source_kind, mc.source_path) == ("hf", str(repo / "snapshots" / commit))
+    assert mc.served_model_name == "org/tiny"
+    # --tokenizer org/tiny too
+    tok = loader.load_tokenizer(loader.resolve_model_source(str(tiny_llama_dir)), "org/tiny")
+    assert (
+        tok("a b c").input_ids == AutoTokenizer.from_pretrained(tiny_llama_dir)("a b c").input_ids
+    )
+    with pytest.raises(ValueError, match="nor a hub id in the local Hugging Face cache"):
+        loader.load_tokenizer(loader.resolve_model_source(str(tiny_llama_dir)), "org/other")
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

@@ -6,7 +6,9 @@ Kinds (`resolve_model_source`):
     "gguf"    a .gguf file (llama architecture);
     "orbax"   a folder written by `checkpoint_io.save_converted` (marked by `CONVERTED_MARKER`).
 
-Only paths are looked at here; no tensor is read.
+Only paths are looked at here; no tensor is read. A hub id ("org/name") that is not a local
+path loads from the local Hugging Face cache when a snapshot of it is there, as vLLM loads it
+offline; nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -27,11 +29,13 @@ CONVERTED_MARKER = "pagedjax_converted.json"
 @dataclasses.dataclass(frozen=True)
 class ModelSource:
     """Where a model's files are. kind: "hf" | "gguf" | "orbax"; path: folder or .gguf file;
-    alias: the model id it was asked for by, when that id is not a path (`DEFAULT_MODEL_IDS`)."""
+    alias: the model id it was asked for by, when that id is not a path (`DEFAULT_MODEL_IDS`,
+    or a hub id found in the Hugging Face cache: then `from_hub_cache`)."""
 
     kind: str
     path: str
     alias: str | None = None
+    from_hub_cache: bool = False
 
     @property
     def name(self) -> str:
@@ -75,21 +79,45 @@ def safetensors_files(folder: Path) -> list[Path]:
     return sorted(folder.glob("*.safetensors"))
 
 
-def resolve_model_source(model: str | None) -> ModelSource:
+def cached_hub_snapshot(model: str, revision: str | None = None) -> Path | None:
+    """The folder of hub id `model` ("org/name") at `revision` (None: "main") in the local
+    Hugging Face cache (`$HF_HUB_CACHE`, by default `$HF_HOME/hub`), or None where it is not
+    cached or `model` is not a hub id. Nothing is downloaded."""
+    if model.count("/") != 1 or model.startswith(("/", ".", "~")) or model.endswith("/"):
+        return None
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(model, revision=revision, local_files_only=True))
+    except Exception:  # noqa: BLE001 - not cached, an invalid id or revision: not found
+        return None
+
+
+def resolve_model_source(model: str | None, revision: str | None = None) -> ModelSource:
     """Decides what kind of checkpoint `model` names (None: the default model; one of
-    `DEFAULT_MODEL_IDS` that is not a local path: the default model under that name).
+    `DEFAULT_MODEL_IDS` that is not a local path: the default model under that name; a hub
+    id that is not a local path: its snapshot at `revision` in the local Hugging Face cache,
+    see `cached_hub_snapshot`).
 
     Raises:
-        ValueError: the path does not exist or holds no loadable checkpoint (the message
-            says what was looked for). Hub ids are not fetched: this engine loads local files.
+        ValueError: the path does not exist, and no such hub id is cached, or it holds no
+            loadable checkpoint (the message says what was looked for). Nothing is
+            downloaded: this engine loads local files.
     """
     path = Path(model or default_model_path()).expanduser()
     if not path.exists() and model in DEFAULT_MODEL_IDS:
         return ModelSource("gguf", default_model_path(), alias=model)
+    snapshot = None if path.exists() else cached_hub_snapshot(str(model), revision)
+    if snapshot is not None:
+        source = resolve_model_source(str(snapshot))
+        return dataclasses.replace(source, alias=model, from_hub_cache=True)
     if not path.exists():
+        at = f" at revision {revision!r}" if revision is not None else ""
         raise ValueError(
             f"model {str(model)!r} does not exist (models are loaded from local paths: a "
-            "Hugging Face folder, a .gguf file or a converted folder; hub ids are not fetched)"
+            "Hugging Face folder, a .gguf file or a converted folder; a hub id loads only "
+            f"from the local Hugging Face cache, where it is not{at}: nothing is downloaded. "
+            "Leave the model out for the default SmolLM2-135M-Instruct)"
         )
     if path.is_file() and path.suffix == ".gguf":
         return ModelSource("gguf", str(path))

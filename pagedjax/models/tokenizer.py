@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from pagedjax.models.sources import CONVERTED_MARKER, ModelSource
+from pagedjax.models.sources import CONVERTED_MARKER, ModelSource, cached_hub_snapshot
 
 
 def load_tokenizer(source: ModelSource, tokenizer: str | None = None):
@@ -19,10 +19,15 @@ def load_tokenizer(source: ModelSource, tokenizer: str | None = None):
 
     if tokenizer is not None:
         tok_path = Path(tokenizer).expanduser()
+        if not tok_path.exists():  # a hub id: its snapshot in the Hugging Face cache, if any
+            tok_path = cached_hub_snapshot(tokenizer) or tok_path
         if tok_path.is_file() and tok_path.suffix == ".gguf":
             return AutoTokenizer.from_pretrained(str(tok_path.parent), gguf_file=tok_path.name)
         if not tok_path.is_dir():
-            raise ValueError(f"tokenizer {tokenizer!r} is not a local folder or .gguf file")
+            raise ValueError(
+                f"tokenizer {tokenizer!r} is not a local folder or .gguf file, nor a hub id in "
+                "the local Hugging Face cache"
+            )
         return AutoTokenizer.from_pretrained(str(tok_path))
     if source.kind == "gguf":
         if importlib.util.find_spec("torch") is None:

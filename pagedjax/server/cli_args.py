@@ -107,5 +107,7 @@ def check_serve_args(ns: argparse.Namespace) -> socket.socket:
     if getattr(ns, "enable_auto_tool_choice", False) and ns.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json)")
 
-    resolve_model_source(ns.model_tag if ns.model_tag is not None else ns.model)
+    resolve_model_source(
+        ns.model_tag if ns.model_tag is not None else ns.model, getattr(ns, "revision", None)
+    )
     return bind_socket(ns.host, ns.port)
