@@ -11,6 +11,8 @@ from tqdm.auto import tqdm
 
 from pagedjax.chat_template import render_conversation
 from pagedjax.engine.factory import create_engine
+from pagedjax.engine.metrics_reader import Metric, get_metrics_snapshot
+from pagedjax.engine.request_metrics import OfflineMetrics
 from pagedjax.engine_args import EngineArgs
 from pagedjax.errors import InvalidInputError
 from pagedjax.inputs import PromptType
@@ -37,6 +39,14 @@ class LLM:
         args = EngineArgs.from_kwargs(model=model, **kwargs)
         self.llm_engine = create_engine(args, use_tqdm=use_tqdm)
         self._counter = itertools.count()
+        # vLLM's offline metrics (`get_metrics`), unless disable_log_stats
+        self._metrics = None if args.disable_log_stats else OfflineMetrics(self.llm_engine)
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> LLM:
+        """vLLM's `LLM.from_engine_args`: an LLM built from `EngineArgs`."""
+        fields = {f.name: getattr(engine_args, f.name) for f in dataclasses.fields(engine_args)}
+        return cls(**fields)
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
@@ -48,6 +58,19 @@ class LLM:
         `generation_config="vllm"` leaves them out (`pagedjax.generation_config`)."""
         fields = self.llm_engine.config.model_config.default_sampling_fields
         return SamplingParams(**fields)
+
+    def get_metrics(self) -> list[Metric]:
+        """vLLM's `LLM.get_metrics()`: a snapshot of the metrics the server reports on
+        /metrics, for this LLM's requests (`pagedjax.engine.metrics_reader`: `Counter`,
+        `Gauge`, `Histogram`, `Vector`; e.g. `vllm:request_success` by finished_reason,
+        `vllm:time_to_first_token_seconds`, `vllm:kv_cache_usage_perc`).
+
+        Raises:
+            RuntimeError: the LLM was built with disable_log_stats=True.
+        """
+        if self._metrics is None:
+            raise RuntimeError("metrics are not recorded: build the LLM without disable_log_stats")
+        return get_metrics_snapshot(self._metrics.metrics.registry)
 
     def reset_prefix_cache(self) -> bool:
         """Forgets the prefix cache (vLLM's `LLM.reset_prefix_cache`), e.g. between benchmark
@@ -243,8 +266,10 @@ class LLM:
                 except ValueError as e:
                     raise InvalidInputError(f"prompt {i}: {e}", getattr(e, "param", None)) from e
                 ids.append(rid)
+                if self._metrics is not None:
+                    self._metrics.added(rid, params.n, params.max_tokens)
         except ValueError:
-            engine.abort_request(ids)
+            self._abort(ids)
             raise
         results: dict[str, RequestOutput] = {}
         bar = tqdm(
@@ -253,7 +278,10 @@ class LLM:
         in_toks = out_toks = 0
         try:
             while len(results) < len(ids):
-                for out in engine.step():
+                outputs = engine.step()
+                if self._metrics is not None:
+                    self._metrics.stepped(outputs)
+                for out in outputs:
                     if out.finished:
                         results[out.request_id] = out
                         in_toks += len(out.prompt_token_ids)
@@ -265,11 +293,16 @@ class LLM:
                             f"output: {out_toks / secs:.1f} toks/s"
                         )
         except BaseException:
-            engine.abort_request([i for i in ids if i not in results])
+            self._abort([i for i in ids if i not in results])
             raise
         finally:
             bar.close()
         return [results[i] for i in ids]
+
+    def _abort(self, request_ids: list[str]) -> None:
+        self.llm_engine.abort_request(request_ids)
+        if self._metrics is not None:
+            self._metrics.aborted(request_ids)
 
 
 def _as_prompt_list(prompts) -> list[PromptType]:

@@ -46,7 +46,13 @@ from pagedjax.engine.engine import LLMEngine
 from pagedjax.engine.factory import create_engine
 from pagedjax.engine.input_processor import InputProcessor, ProcessedInput
 from pagedjax.engine.prometheus import PrometheusStatLogger
-from pagedjax.engine.request_metrics import LiveRequest, record_output, record_scheduler_stats
+from pagedjax.engine.request_metrics import (
+    LiveRequest,
+    prometheus_for,
+    record_iteration_tokens,
+    record_output,
+    record_scheduler_stats,
+)
 from pagedjax.engine_args import EngineArgs
 from pagedjax.errors import InvalidInputError
 from pagedjax.inputs import PromptType
@@ -127,16 +133,7 @@ class AsyncLLM:
         self.model_config = engine.config.model_config
         self._replicas = list(getattr(engine, "replicas", [engine]))
         self._last_timings: dict[int, Any] = {}  # replica -> its last step's counted timing
-        self.metrics = stat_logger or PrometheusStatLogger(
-            self.model_config.served_model_name,
-            cache_info={
-                "block_size": engine.config.cache_config.block_size,
-                "num_gpu_blocks": sum(
-                    r.kv_cache_manager.pool.num_usable_blocks for r in self._replicas
-                ),
-                "enable_prefix_caching": engine.config.cache_config.enable_prefix_caching,
-            },
-        )
+        self.metrics = stat_logger or prometheus_for(engine)
         tokenizer = engine.tokenizer
         try:  # its own copy: the engine thread detokenizes with the engine's meanwhile
             tokenizer = copy.deepcopy(tokenizer)
@@ -310,11 +307,12 @@ class AsyncLLM:
             loop = self._loops.pop(rid, None)
             live = self._live.pop(rid, None)
             if live is not None:
+                outputs = self.engine.abort_request(rid) or ()
+                self.metrics.record_finished("abort", None, 0, 0)
                 # its last output ends the stream of a consumer still iterating (an abort
                 # from elsewhere); a stream aborted by its own consumer ignores it
-                for out in self.engine.abort_request(rid) or ():
+                for out in outputs:
                     _call(loop, live.stream._put, out)
-                self.metrics.record_finished("abort", None, 0, 0)
             return
         _, requests, priority, streams, loop, ack = command
         added: list[str] = []
@@ -368,13 +366,7 @@ class AsyncLLM:
             _call(loop, live.stream._put, out)
 
     def _record_iteration_tokens(self) -> None:
-        """Tokens of each replica's step that ran (a new `last_step_timing`; replicas without
-        one, remote ones, are not counted)."""
-        for i, r in enumerate(self._replicas):
-            t = getattr(r, "last_step_timing", None)
-            if t is not None and t is not self._last_timings.get(i):
-                self._last_timings[i] = t
-                self.metrics.record_iteration_tokens(t.num_scheduled_tokens)
+        record_iteration_tokens(self.metrics, self._replicas, self._last_timings)
 
     def _fail_all(self, error: BaseException, abort: bool = True) -> None:
         live, self._live = self._live, {}

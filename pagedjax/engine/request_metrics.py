@@ -1,5 +1,6 @@
-"""The server's Prometheus metrics from the engine's outputs and its schedulers' stats, as
-`AsyncLLM`'s engine thread records them (the metrics: `pagedjax.engine.prometheus`).
+"""Prometheus metrics from the engine's outputs and its schedulers' stats, as `AsyncLLM`'s
+engine thread records them for the server and `OfflineMetrics` for `LLM.get_metrics()` (the
+metrics: `pagedjax.engine.prometheus`).
 
 Per output of a DELTA or CUMULATIVE request: time to first token (from its arrival at the
 engine thread), inter-token latency, generation tokens, and the finished request. A
@@ -15,7 +16,8 @@ speculative-decoding counts and the structured-output grammar timings.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import time
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from pagedjax.engine.prometheus import PrometheusStatLogger
@@ -135,3 +137,63 @@ def record_scheduler_stats(metrics: PrometheusStatLogger, replicas: Sequence[Any
     for r in replicas:
         if getattr(r, "structured_output", None) is not None:
             metrics.record_grammar_timings(*r.structured_output.take_timings())
+
+
+def prometheus_for(engine: Any) -> PrometheusStatLogger:
+    """A `PrometheusStatLogger` (its own registry) labelled for an engine or data-parallel
+    replicas of it."""
+    replicas = list(getattr(engine, "replicas", [engine]))
+    return PrometheusStatLogger(
+        engine.config.model_config.served_model_name,
+        cache_info={
+            "block_size": engine.config.cache_config.block_size,
+            "num_gpu_blocks": sum(r.kv_cache_manager.pool.num_usable_blocks for r in replicas),
+            "enable_prefix_caching": engine.config.cache_config.enable_prefix_caching,
+        },
+    )
+
+
+def record_iteration_tokens(
+    metrics: PrometheusStatLogger, replicas: Sequence[Any], last: dict[int, Any]
+) -> None:
+    """Tokens of each replica's step that ran: a `last_step_timing` not seen before (`last`,
+    replica index -> its last counted timing, is updated; replicas without one, remote
+    ones, are not counted)."""
+    for i, r in enumerate(replicas):
+        t = getattr(r, "last_step_timing", None)
+        if t is not None and t is not last.get(i):
+            last[i] = t
+            metrics.record_iteration_tokens(t.num_scheduled_tokens)
+
+
+class OfflineMetrics:
+    """The server's metrics for the requests of an offline `LLM` (`LLM.get_metrics()`), from
+    the FINAL_ONLY outputs its `generate` collects: added, stepped and aborted requests are
+    reported by the caller, on the thread that steps the engine."""
+
+    def __init__(self, engine: Any):
+        self.metrics = prometheus_for(engine)
+        self._replicas = list(getattr(engine, "replicas", [engine]))
+        self._live: dict[str, LiveRequest] = {}
+        self._last_timings: dict[int, Any] = {}
+        record_scheduler_stats(self.metrics, self._replicas)
+
+    def added(self, request_id: str, n: int, max_tokens: int | None) -> None:
+        self._live[request_id] = LiveRequest(
+            None, time.monotonic(), RequestOutputKind.FINAL_ONLY, n=n, max_tokens=max_tokens
+        )
+
+    def stepped(self, outputs: Iterable[RequestOutput]) -> None:
+        now = time.monotonic()
+        record_iteration_tokens(self.metrics, self._replicas, self._last_timings)
+        for out in outputs:
+            live = self._live.pop(out.request_id, None) if out.finished else None
+            if live is not None:
+                record_output(self.metrics, live, out, now)
+        record_scheduler_stats(self.metrics, self._replicas)
+
+    def aborted(self, request_ids: Iterable[str]) -> None:
+        for rid in request_ids:
+            if self._live.pop(rid, None) is not None:
+                self.metrics.record_finished("abort", None, 0, 0)
+        record_scheduler_stats(self.metrics, self._replicas)
