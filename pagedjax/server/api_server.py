@@ -14,6 +14,9 @@ supported), 405 for a wrong method, 413 for a body over `--max-request-body-byte
 before it is parsed), 415 for a body that is not JSON, 500 only for an internal failure,
 which fails that one request (and 503 while the engine is down).
 
+Browsers may call it from other origins (CORS, vLLM's defaults: every origin, method and
+header; `--allowed-origins` etc.); preflights are answered before the API key is checked.
+
 A client that disconnects aborts its request, streaming or not: a streamed response is
 cancelled by Starlette when the client goes away, and a non-streamed one is raced against a
 watcher of the connection; either way the request's stream aborts it and its blocks are
@@ -40,6 +43,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 
 import pagedjax
 from pagedjax.engine.async_llm import AsyncLLM, EngineDeadError
@@ -225,6 +229,9 @@ def build_app(
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
     enable_auto_tool_choice: bool = False,
     tool_call_parser: str | None = None,
+    response_role: str = "assistant",
+    cors: dict | None = None,
+    log_requests: bool = False,
 ) -> FastAPI:
     """The FastAPI app serving `engine` (see the module docstring).
 
@@ -235,6 +242,12 @@ def build_app(
         max_request_body_bytes: larger request bodies are answered 413 before parsing.
         enable_auto_tool_choice: serve `tool_choice="auto"` (needs `tool_call_parser`).
         tool_call_parser: the parser of "auto" tool calls ("hermes", "llama3_json").
+        response_role: the role of chat replies after a generation prompt.
+        cors: Starlette `CORSMiddleware` arguments (allow_origins, allow_methods,
+            allow_headers, allow_credentials); None: every origin, method and header, no
+            credentials (vLLM's defaults). It runs before the API key check, so that
+            browsers' preflight requests (which carry no key) are answered.
+        log_requests: log each generation request's id and parameters at INFO.
 
     Raises:
         ValueError: an unknown tool_call_parser, or auto tool choice without one.
@@ -249,12 +262,21 @@ def build_app(
 
     app = FastAPI(title="pagedjax", version=pagedjax.__version__, lifespan=lifespan)
     app.add_middleware(_BodyLimitMiddleware, max_bytes=max_request_body_bytes)
-    if api_key:  # added last, so it runs first: no body is read without the key
+    if api_key:  # added after the body limit, so it runs first: no body is read without it
         app.add_middleware(_ApiKeyMiddleware, api_key=api_key)
+    cors = cors or {}
+    app.add_middleware(  # outermost: preflights are answered before the key is checked
+        CORSMiddleware,
+        allow_origins=cors.get("allow_origins", ["*"]),
+        allow_methods=cors.get("allow_methods", ["*"]),
+        allow_headers=cors.get("allow_headers", ["*"]),
+        allow_credentials=cors.get("allow_credentials", False),
+    )
     completions = OpenAIServingCompletion(engine, names, chat_template)
     chat = OpenAIServingChat(
-        engine, names, chat_template, enable_auto_tool_choice, tool_call_parser
+        engine, names, chat_template, enable_auto_tool_choice, tool_call_parser, response_role
     )
+    completions.log_requests = chat.log_requests = log_requests
     base = OpenAIServing(engine, names, chat_template)
     created = int(time.time())
 
@@ -421,6 +443,14 @@ def run_server(ns: argparse.Namespace, sock: socket.socket | None = None) -> int
         max_request_body_bytes=ns.max_request_body_bytes,
         enable_auto_tool_choice=ns.enable_auto_tool_choice,
         tool_call_parser=ns.tool_call_parser,
+        response_role=ns.response_role,
+        cors={
+            "allow_origins": ns.allowed_origins,
+            "allow_methods": ns.allowed_methods,
+            "allow_headers": ns.allowed_headers,
+            "allow_credentials": ns.allow_credentials,
+        },
+        log_requests=ns.enable_log_requests,
     )
     _freeze_gc_heap()
     config = uvicorn.Config(

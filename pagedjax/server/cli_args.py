@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import json
 import socket
 
 # the keys of pagedjax.server.tool_parsers.TOOL_PARSERS (not imported here: see above)
@@ -23,6 +24,19 @@ def _port(text: str) -> int:
     if not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"must be in 0-65535, got {port}")
     return port
+
+
+def _json_list(text: str) -> list[str]:
+    """The CORS flags' type: a JSON list of strings (vLLM's format, e.g. '["*"]')."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(
+            f"must be a JSON list of strings (e.g. '[\"*\"]'), got {text!r}"
+        )
+    return value
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -61,9 +75,31 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help="Larger request bodies are refused with 413 before they are parsed (default: 16 MiB).",
     )
     g.add_argument(
+        "--response-role",
+        default="assistant",
+        help="The role of chat replies after a generation prompt (vLLM's; default assistant).",
+    )
+    for flag, what in (("origins", "Origins"), ("methods", "HTTP methods"), ("headers", "Headers")):
+        g.add_argument(
+            f"--allowed-{flag}",
+            type=_json_list,
+            default=["*"],
+            help=f"CORS: {what} browsers may use, a JSON list (vLLM's default: '[\"*\"]').",
+        )
+    g.add_argument(
+        "--allow-credentials", action="store_true", help="CORS: allow credentials (cookies)."
+    )
+    g.add_argument(
+        "--enable-log-requests",
+        action="store_true",
+        help="Log each request at INFO: its id, endpoint, prompt token count and sampling "
+        "parameters (not its text).",
+    )
+    g.add_argument(
         "--disable-log-requests",
         action="store_true",
-        help="Accepted for vLLM compatibility: this server does not log requests.",
+        help="Accepted for vLLM compatibility: requests are logged only with "
+        "--enable-log-requests.",
     )
     g.add_argument("--uvicorn-log-level", default="info")
     g.add_argument("--disable-uvicorn-access-log", action="store_true")

@@ -99,6 +99,7 @@ class OpenAIServing:
             *default_model_ids(mc.source_path),
         }
         self.chat_template = chat_template
+        self.log_requests = False  # --enable-log-requests: each request's id and parameters
         self._tools_warned = False  # the "template ignores tools" warning, once per server
         self.tokenizer = engine.get_tokenizer()
         self.max_model_len = mc.max_model_len  # reported by /tokenize and /v1/models
@@ -176,6 +177,9 @@ class OpenAIServing:
         Raises:
             APIError 400: the engine refused an input (see `bad_input`).
         """
+        if self.log_requests:
+            for rid, prompt, params in requests:
+                _log_request(rid, prompt, params)
         try:
             return await self.engine.add_requests(
                 requests, priority=priority, check_max_tokens=check_max_tokens
@@ -436,3 +440,17 @@ async def merge_streams(
             t.cancel()
         for s in streams:
             s.abort()
+
+
+LOGGED_PARAMS_CHARS = 1000  # a logged request's parameters are cut after this many characters
+
+
+def _log_request(request_id: str, prompt: PromptType, params: SamplingParams) -> None:
+    """--enable-log-requests: a request's id, prompt token count and sampling parameters
+    (cut at `LOGGED_PARAMS_CHARS`; never the prompt's text)."""
+    ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else prompt
+    count = len(ids) if isinstance(ids, list) else "?"
+    text = repr(params)
+    if len(text) > LOGGED_PARAMS_CHARS:
+        text = text[:LOGGED_PARAMS_CHARS] + "...(cut)"
+    logger.info("Received request %s: %s prompt tokens, params: %s", request_id, count, text)

@@ -94,8 +94,10 @@ class OpenAIServingChat(OpenAIServing):
         chat_template: str | None,
         enable_auto_tool_choice: bool = False,
         tool_call_parser: str | None = None,
+        response_role: str = "assistant",
     ):
         super().__init__(engine, served_model_name, chat_template)
+        self.response_role = response_role
         if tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
             raise ValueError(
                 f"unknown --tool-call-parser {tool_call_parser!r}; known: {sorted(TOOL_PARSERS)}"
@@ -190,7 +192,7 @@ class OpenAIServingChat(OpenAIServing):
         choices = [
             ChatChoice(
                 index=o.index,
-                message=_message(o, echo, parser),
+                message=_message(o, echo, parser, self._role(request)),
                 logprobs=self._logprobs(request, o),
                 finish_reason=o.finish_reason,
                 stop_reason=o.stop_reason,
@@ -223,6 +225,13 @@ class OpenAIServingChat(OpenAIServing):
         if request.prompt_logprobs is None:
             exclude["prompt_logprobs"] = True  # OpenAI's shape unless asked for
         return body.model_dump_json(exclude=exclude)
+
+    def _role(self, request: ChatCompletionRequest) -> str:
+        """The reply's role, as vLLM chooses it: `--response-role` (default "assistant")
+        after a generation prompt, else the role of the message the model continues."""
+        if request.add_generation_prompt:
+            return self.response_role
+        return request.messages[-1].role
 
     def _logprobs(self, request: ChatCompletionRequest, o: CompletionOutput) -> ChatLogprobs | None:
         """OpenAI's chat `logprobs` object: per output token its text, logprob and UTF-8
@@ -305,7 +314,7 @@ class OpenAIServingChat(OpenAIServing):
                     prompt_tokens = len(out.prompt_token_ids)
                     plp = await self.prompt_logprobs_async(out.prompt_logprobs)
                     for i in range(request.n):
-                        role = DeltaMessage(role="assistant", content="")
+                        role = DeltaMessage(role=self._role(request), content="")
                         yield chunk([ChatChunkChoice(index=i, delta=role)], continuous, plp)
                         plp = None
                         if echo:
@@ -363,16 +372,18 @@ class OpenAIServingChat(OpenAIServing):
         return out
 
 
-def _message(o: CompletionOutput, echo: str, parser: ToolParser | None) -> ChatResponseMessage:
+def _message(
+    o: CompletionOutput, echo: str, parser: ToolParser | None, role: str
+) -> ChatResponseMessage:
     """The reply of one finished choice: its text, or with a tool parser the content and
     calls it reads (an output whose calls do not parse is all content; a forced one cut by
     the length limit keeps its complete calls, see `ToolParser.extract`)."""
     if parser is None:
-        return ChatResponseMessage(content=echo + o.text)
+        return ChatResponseMessage(role=role, content=echo + o.text)
     content, calls = parser.extract(o.text, cut=o.finish_reason == "length")
     if echo:
         content = echo + (content or "")
-    return ChatResponseMessage(content=content, tool_calls=calls or None)
+    return ChatResponseMessage(role=role, content=content, tool_calls=calls or None)
 
 
 def _echo_text(request: ChatCompletionRequest) -> str:
