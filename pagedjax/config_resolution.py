@@ -9,6 +9,7 @@ jax, the loader and the kernels inside the function, so that importing this modu
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 
 from pagedjax import generation_config
@@ -64,6 +65,41 @@ def _graph_sizes(value) -> tuple[int, ...] | None:
         return tuple(sorted({int(str(v).strip()) for v in items if str(v).strip()}))
     except ValueError:
         raise _bad("cuda_graph_sizes", "integers (e.g. '1,4,16')", value) from None
+
+
+def _check_vllm_only_args(args, source) -> tuple[int, ...] | None:
+    """Checks vLLM's arguments that select nothing here but must agree with what is loaded
+    (load_format, async_scheduling) and reads compilation_config; returns the step sizes
+    its cudagraph_capture_sizes give (None: none given).
+
+    Raises:
+        ValueError: naming the field: a value not among its choices, a load_format the
+            source is not in, or a compilation_config that is not a dict, an int or their
+            JSON.
+    """
+    choices = {f.name: f.metadata.get("choices") for f in dataclasses.fields(args)}
+    for name in ("load_format", "config_format", "runner"):
+        if getattr(args, name) not in choices[name]:
+            raise _bad(name, f"one of {choices[name]}", getattr(args, name))
+    want = {"safetensors": "hf", "gguf": "gguf"}.get(args.load_format)
+    if want is not None and source.kind != want:
+        raise _bad(
+            "load_format", f"the format of {source.path!r} ({source.kind})", args.load_format
+        )
+    if args.async_scheduling:
+        logger.warning("async_scheduling=True has no effect: steps are scheduled one by one")
+    config = args.compilation_config
+    if isinstance(config, str):
+        try:
+            config = json.loads(config)
+        except ValueError:
+            raise _bad("compilation_config", "a dict, an int or their JSON", config) from None
+    if config is None or isinstance(config, int):
+        return None
+    if not isinstance(config, dict):
+        raise _bad("compilation_config", "a dict, an int or their JSON", config)
+    sizes = config.get("cudagraph_capture_sizes")
+    return None if sizes is None else _graph_sizes(sizes)
 
 
 def _served_names(value) -> tuple[str, ...]:
@@ -132,6 +168,7 @@ def resolve_engine_config(args) -> EngineConfig:
                 field,
                 getattr(args, field),
             )
+    compiled_sizes = _check_vllm_only_args(args, source)
     quantization = quant_loader.resolve_quantization(args.quantization, source)
     arch = loader.load_arch_config(source)
     pp_partition = stages.parse_layer_partition(args.pp_layer_partition)
@@ -254,7 +291,9 @@ def resolve_engine_config(args) -> EngineConfig:
             enable_chunked_prefill=args.enable_chunked_prefill,
             scheduling_policy=args.scheduling_policy,
             preemption_mode=args.preemption_mode,
-            cuda_graph_sizes=_graph_sizes(args.cuda_graph_sizes),
+            cuda_graph_sizes=compiled_sizes
+            if args.cuda_graph_sizes is None
+            else _graph_sizes(args.cuda_graph_sizes),
         ),
         parallel_config=ParallelConfig(
             tensor_parallel_size=args.tensor_parallel_size,

@@ -97,6 +97,27 @@ class EngineArgs:
         "a local path has none, so a value is then ignored with a warning.",
     )
     tokenizer_revision: str | None = _field(None, "As revision, for the tokenizer.")
+    load_format: str = _field(
+        "auto",
+        "Weights format: 'auto' (what the path holds), or 'safetensors' / 'gguf' to insist on "
+        "one (vLLM's names; its other formats are not read).",
+        choices=("auto", "safetensors", "gguf"),
+    )
+    config_format: str = _field(
+        "auto",
+        "Checkpoint config format: 'auto' or 'hf' (config.json); vLLM's 'mistral' is not read.",
+        choices=("auto", "hf"),
+    )
+    runner: str = _field(
+        "auto",
+        "vLLM's model runner kind: 'auto' or 'generate' (text generation, the only one here).",
+        choices=("auto", "generate"),
+    )
+    async_scheduling: bool = _field(
+        False,
+        "Accepted for vLLM compatibility; the engine schedules each step after the last, so "
+        "True only logs a warning.",
+    )
     trust_remote_code: bool = _field(
         False,
         "Accepted for vLLM compatibility and has no effect: pagedjax runs its own model code "
@@ -218,6 +239,12 @@ class EngineArgs:
         False,
         "Compile each step bucket when a step first needs it, not at start-up: a faster start, "
         "and the first step of each size waits for its compilation (seconds).",
+    )
+    compilation_config: dict | int | str | None = _field(
+        None,
+        "vLLM's compilation settings, as a dict or JSON: its cudagraph_capture_sizes are the "
+        "step sizes compiled (as cuda_graph_sizes, which wins when both are given); the rest "
+        "(levels, modes, an -O number) has no effect: XLA compiles every step bucket.",
     )
     cuda_graph_sizes: list[int] | str | None = _field(
         None,

@@ -301,6 +301,30 @@ def test_bad_engine_and_sampling_arguments_name_the_field(make_llm, tiny_llama_d
     for alias, dtype in (("half", "float16"), ("float", "float32")):
         config = EngineArgs(model=str(tiny_llama_dir), dtype=alias).create_engine_config()
         assert config.model_config.dtype == dtype
+    # vLLM's load_format / config_format / runner / async_scheduling / compilation_config
+    # (each was "unknown engine argument(s)"): checked against what is loaded, or read
+    model = str(tiny_llama_dir)
+    for kw in ({"load_format": "safetensors"}, {"config_format": "hf"}, {"runner": "generate"}):
+        EngineArgs(model=model, **kw).create_engine_config()
+    for kw, match in (
+        ({"load_format": "gguf"}, "load_format must be the format of"),
+        ({"load_format": "pt"}, "load_format must be one of"),
+        ({"config_format": "mistral"}, "config_format must be one of"),
+        ({"runner": "pooling"}, "runner must be one of"),
+        ({"compilation_config": "{level"}, "compilation_config must be a dict"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            EngineArgs(model=model, **kw).create_engine_config()
+
+    def compiled(**kw):
+        config = EngineArgs(model=model, max_num_batched_tokens=64, **kw).create_engine_config()
+        return config.scheduler_config.cuda_graph_sizes
+
+    assert compiled(compilation_config={"cudagraph_capture_sizes": [8, 2]}) == (2, 8)
+    assert compiled(compilation_config='{"cudagraph_capture_sizes": [4]}') == (4,)
+    assert compiled(compilation_config=3) is None  # an -O level: nothing to read
+    both = {"cudagraph_capture_sizes": [4], "level": 3}
+    assert compiled(compilation_config=both, cuda_graph_sizes=[16]) == (16,)
     # vLLM's cpu_offload_gb is accepted (on CPU the weights are in host memory already);
     # it was "unknown engine argument(s)"
     EngineArgs(model=str(tiny_llama_dir), cpu_offload_gb=2).create_engine_config()
