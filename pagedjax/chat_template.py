@@ -148,3 +148,15 @@ def _template_message(message: Mapping[str, Any], i: int) -> Mapping[str, Any]:
                     "messages",
                 ) from e
     return message
+
+
+def template_reads_tools(template_or_tokenizer: Any) -> bool:
+    """Whether a chat template (its text, or a tokenizer's `chat_template`, a dict of named
+    templates included: the "tool_use" one, else the default) mentions `tools` at all; a
+    template that does not renders requests without their tools."""
+    source = template_or_tokenizer
+    if not isinstance(source, str):
+        source = getattr(source, "chat_template", None) or ""
+    if isinstance(source, dict):
+        source = source.get("tool_use") or source.get("default") or ""
+    return "tools" in source

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 from collections.abc import Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
 
-from pagedjax.chat_template import render_conversation
+from pagedjax.chat_template import render_conversation, template_reads_tools
 from pagedjax.engine.factory import create_engine
 from pagedjax.engine.metrics_reader import Metric, get_metrics_snapshot
 from pagedjax.engine.request_metrics import OfflineMetrics
@@ -18,6 +19,8 @@ from pagedjax.errors import InvalidInputError
 from pagedjax.inputs import PromptType
 from pagedjax.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from pagedjax.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 class LLM:
@@ -39,6 +42,7 @@ class LLM:
         args = EngineArgs.from_kwargs(model=model, **kwargs)
         self.llm_engine = create_engine(args, use_tqdm=use_tqdm)
         self._counter = itertools.count()
+        self._tools_warned = False  # the "template ignores tools" warning, once per LLM
         # vLLM's offline metrics (`get_metrics`), unless disable_log_stats
         self._metrics = None if args.disable_log_stats else OfflineMetrics(self.llm_engine)
 
@@ -155,6 +159,13 @@ class LLM:
         """
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         tok = self.get_tokenizer()
+        if tools and not self._tools_warned:
+            self._tools_warned = True
+            if not template_reads_tools(chat_template if chat_template is not None else tok):
+                logger.warning(
+                    "the chat template does not render `tools`: conversations are rendered "
+                    "without them (pass a chat_template that renders them)"
+                )
         prompts = []
         for conv in conversations:
             rendered: list[str] = []

@@ -5,6 +5,7 @@ against Hugging Face's own `apply_chat_template` on the same tokenizer."""
 from __future__ import annotations
 
 import copy
+import logging
 
 import pytest
 from transformers import AutoTokenizer
@@ -159,3 +160,28 @@ def test_llm_chat_passes_tools_and_template_kwargs(make_llm, tiny_llama_dir, tok
         chat_template_kwargs={"greeting": "Hey "},
     )[0]
     assert tok.decode(out.prompt_token_ids) == "Hey [get_weather]Weather in Oslo?Oslo-3 C"
+
+
+def test_llm_chat_warns_once_when_the_template_ignores_tools(make_llm, tiny_llama_dir, caplog):
+    """As the server does: tools given to a template that never reads them are dropped from
+    the rendering, and the LLM says so once (it said nothing)."""
+    llm = make_llm(tiny_llama_dir, block_size=16)
+    params = SamplingParams(temperature=0, max_tokens=1)
+    conv = [{"role": "user", "content": "Hi"}]
+    with caplog.at_level(logging.WARNING, logger="pagedjax.llm"):
+        for _ in range(2):
+            llm.chat(
+                conv,
+                params,
+                use_tqdm=False,
+                chat_template="{{ messages[0].content }}",
+                tools=[WEATHER],
+            )
+    assert sum("does not render `tools`" in m for m in caplog.messages) == 1
+    caplog.clear()
+    llm._tools_warned = False
+    with caplog.at_level(logging.WARNING, logger="pagedjax.llm"):
+        llm.chat(
+            conv, params, use_tqdm=False, chat_template="{{ tools | length }}", tools=[WEATHER]
+        )
+    assert not caplog.messages

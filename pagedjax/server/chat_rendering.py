@@ -66,18 +66,6 @@ def render_chat(
         raise bad_request(str(e), e.param) from e
 
 
-def template_reads_tools(template_or_tokenizer: Any) -> bool:
-    """Whether a chat template (its text, or a tokenizer's `chat_template`, a dict of named
-    templates included: the "tool_use" one, else the default) mentions `tools` at all; a
-    template that does not renders requests without their tools."""
-    source = template_or_tokenizer
-    if not isinstance(source, str):
-        source = getattr(source, "chat_template", None) or ""
-    if isinstance(source, dict):
-        source = source.get("tool_use") or source.get("default") or ""
-    return "tools" in source
-
-
 def tool_dict(tool: Any) -> dict[str, Any]:
     """A tool as chat templates read it: `{"type": "function", "function": {...}}`."""
     if isinstance(tool, dict):

@@ -30,13 +30,14 @@ from typing import Any, TypeVar
 from fastapi.responses import Response
 from pydantic import BaseModel
 
+from pagedjax.chat_template import template_reads_tools
 from pagedjax.engine.async_llm import AsyncLLM, RequestStream
 from pagedjax.engine.input_processor import prompt_too_long
 from pagedjax.inputs import PromptType
 from pagedjax.models.sources import default_model_ids
 from pagedjax.outputs import Logprob, RequestOutput
 from pagedjax.sampling_params import SamplingParams
-from pagedjax.server.chat_rendering import render_chat, template_reads_tools
+from pagedjax.server.chat_rendering import render_chat
 from pagedjax.server.prompt_encoding import PromptTooLongError, encode_texts
 from pagedjax.server.protocol import (
     ChatMessage,
