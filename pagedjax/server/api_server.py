@@ -230,6 +230,7 @@ def build_app(
     enable_auto_tool_choice: bool = False,
     tool_call_parser: str | None = None,
     response_role: str = "assistant",
+    reasoning_parser: str | None = None,
     cors: dict | None = None,
     log_requests: bool = False,
 ) -> FastAPI:
@@ -243,6 +244,8 @@ def build_app(
         enable_auto_tool_choice: serve `tool_choice="auto"` (needs `tool_call_parser`).
         tool_call_parser: the parser of "auto" tool calls ("hermes", "llama3_json").
         response_role: the role of chat replies after a generation prompt.
+        reasoning_parser: "deepseek_r1" or "qwen3": chat replies' thinking comes back as
+            `reasoning` (`reasoning_parsers`).
         cors: Starlette `CORSMiddleware` arguments (allow_origins, allow_methods,
             allow_headers, allow_credentials); None: every origin, method and header, no
             credentials (vLLM's defaults). It runs before the API key check, so that
@@ -250,7 +253,8 @@ def build_app(
         log_requests: log each generation request's id and parameters at INFO.
 
     Raises:
-        ValueError: an unknown tool_call_parser, or auto tool choice without one.
+        ValueError: an unknown tool_call_parser or reasoning_parser, or auto tool choice
+            without a tool_call_parser.
     """
     mc = engine.model_config
     names = mc.served_model_names
@@ -274,7 +278,13 @@ def build_app(
     )
     completions = OpenAIServingCompletion(engine, names, chat_template)
     chat = OpenAIServingChat(
-        engine, names, chat_template, enable_auto_tool_choice, tool_call_parser, response_role
+        engine,
+        names,
+        chat_template,
+        enable_auto_tool_choice,
+        tool_call_parser,
+        response_role,
+        reasoning_parser,
     )
     completions.log_requests = chat.log_requests = log_requests
     base = OpenAIServing(engine, names, chat_template)
@@ -444,6 +454,7 @@ def run_server(ns: argparse.Namespace, sock: socket.socket | None = None) -> int
         enable_auto_tool_choice=ns.enable_auto_tool_choice,
         tool_call_parser=ns.tool_call_parser,
         response_role=ns.response_role,
+        reasoning_parser=ns.reasoning_parser,
         cors={
             "allow_origins": ns.allowed_origins,
             "allow_methods": ns.allowed_methods,

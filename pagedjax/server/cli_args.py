@@ -13,6 +13,8 @@ import socket
 
 # the keys of pagedjax.server.tool_parsers.TOOL_PARSERS (not imported here: see above)
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")
+# the keys of pagedjax.server.reasoning_parsers.REASONING_PARSERS
+REASONING_PARSER_NAMES = ("deepseek_r1", "qwen3")
 
 
 def _port(text: str) -> int:
@@ -61,6 +63,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         choices=TOOL_CALL_PARSERS,
         help="How the model writes tool calls: hermes (<tool_call>{...}</tool_call>: "
         "Hermes, Qwen2.5, Qwen3) or llama3_json (Llama 3.1/3.2 JSON).",
+    )
+    g.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=REASONING_PARSER_NAMES,
+        help="Return a chat reply's thinking (before </think>) as message.reasoning: "
+        "deepseek_r1 (every reply thinks) or qwen3 (unless enable_thinking is false).",
     )
     g.add_argument(
         "--shutdown-timeout",

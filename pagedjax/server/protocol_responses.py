@@ -94,6 +94,7 @@ class ChatLogprobs(ResponseModel):
 class ChatResponseMessage(ResponseModel):
     role: str = "assistant"
     content: str | None = None
+    reasoning: str | None = None  # with --reasoning-parser; left out of the JSON when None
     tool_calls: list[ToolCall] | None = None  # left out of the JSON when None
 
 
@@ -118,6 +119,7 @@ class ChatCompletionResponse(ResponseModel):
 class DeltaMessage(ResponseModel):
     role: str | None = None
     content: str | None = None
+    reasoning: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 

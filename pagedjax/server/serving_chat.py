@@ -23,7 +23,8 @@ OpenAI's tool-call deltas (`ToolCallStreamer`), which concatenate to the same ca
 reply cut off by `max_tokens` keeps the calls it completed, with `finish_reason` "length"; a
 stream of "required" calls sends each call whole once its object closes, so it has sent
 exactly those (a named call streams its arguments as they come, and a cut one is content in
-the whole reply).
+the whole reply). With `--reasoning-parser`, the reply's thinking is `message.reasoning`
+(streamed: `delta.reasoning`) and the rest is read as above (`reasoning_parsers`).
 """
 
 from __future__ import annotations
@@ -53,6 +54,11 @@ from pagedjax.server.protocol_responses import (
     UsageInfo,
 )
 from pagedjax.server.protocol_tools import NamedToolChoice
+from pagedjax.server.reasoning_parsers import (
+    REASONING_PARSERS,
+    ReasoningParser,
+    ReasoningStreamer,
+)
 from pagedjax.server.serving import (
     SSE_DONE,
     OpenAIServing,
@@ -95,9 +101,16 @@ class OpenAIServingChat(OpenAIServing):
         enable_auto_tool_choice: bool = False,
         tool_call_parser: str | None = None,
         response_role: str = "assistant",
+        reasoning_parser: str | None = None,
     ):
         super().__init__(engine, served_model_name, chat_template)
         self.response_role = response_role
+        if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(
+                f"unknown --reasoning-parser {reasoning_parser!r}; known: "
+                f"{sorted(REASONING_PARSERS)}"
+            )
+        self.reasoning = REASONING_PARSERS[reasoning_parser]() if reasoning_parser else None
         if tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
             raise ValueError(
                 f"unknown --tool-call-parser {tool_call_parser!r}; known: {sorted(TOOL_PARSERS)}"
@@ -192,7 +205,7 @@ class OpenAIServingChat(OpenAIServing):
         choices = [
             ChatChoice(
                 index=o.index,
-                message=_message(o, echo, parser, self._role(request)),
+                message=_message(o, echo, parser, self._role(request), self._reasoning(request)),
                 logprobs=self._logprobs(request, o),
                 finish_reason=o.finish_reason,
                 stop_reason=o.stop_reason,
@@ -215,16 +228,20 @@ class OpenAIServingChat(OpenAIServing):
             ),
             prompt_logprobs=self.prompt_logprobs(final.prompt_logprobs),
         )
-        exclude: dict = {
-            "choices": {
-                i: {"message": {"tool_calls"}}
-                for i, c in enumerate(choices)
-                if c.message.tool_calls is None
-            }
-        }
+        exclude: dict = {"choices": {}}
+        for i, c in enumerate(choices):  # OpenAI's shape: no null tool_calls or reasoning
+            unset = {k for k in ("tool_calls", "reasoning") if getattr(c.message, k) is None}
+            if unset:
+                exclude["choices"][i] = {"message": unset}
         if request.prompt_logprobs is None:
             exclude["prompt_logprobs"] = True  # OpenAI's shape unless asked for
         return body.model_dump_json(exclude=exclude)
+
+    def _reasoning(self, request: ChatCompletionRequest) -> ReasoningParser | None:
+        """The reasoning parser of a request's reply, if it thinks (`--reasoning-parser`)."""
+        if self.reasoning is None or not self.reasoning.thinks(request.chat_template_kwargs):
+            return None
+        return self.reasoning
 
     def _role(self, request: ChatCompletionRequest) -> str:
         """The reply's role, as vLLM chooses it: `--response-role` (default "assistant")
@@ -274,6 +291,8 @@ class OpenAIServingChat(OpenAIServing):
         continuous = bool(opts and opts.continuous_usage_stats)
         completion_tokens = [0] * request.n
         streamers = [ToolCallStreamer(parser) for _ in range(request.n)] if parser else None
+        thinks = self._reasoning(request) is not None
+        thoughts = [ReasoningStreamer(thinks) for _ in range(request.n)]
         texts = [""] * request.n  # each choice's output so far (read by the tool parser)
         prompt_tokens = 0  # the engine's count (after truncation), from the first output
 
@@ -322,21 +341,33 @@ class OpenAIServingChat(OpenAIServing):
                             yield chunk([echoed], continuous)
                 for o in out.outputs:
                     completion_tokens[o.index] += len(o.token_ids)
+                    final = o.finish_reason is not None
+                    reasoning, text = thoughts[o.index].update(o.text, final)
+                    step = []  # this step's chunks of the choice
+                    if reasoning:
+                        step.append(
+                            ChatChunkChoice(index=o.index, delta=DeltaMessage(reasoning=reasoning))
+                        )
                     if streamers is not None:
-                        texts[o.index] += o.text
-                        for c in self._tool_chunks(request, o, texts[o.index], streamers):
-                            yield chunk([c], continuous)
-                        continue
-                    if not o.text and o.finish_reason is None and not request.logprobs:
-                        continue  # e.g. a token that ends inside a UTF-8 character
-                    choice = ChatChunkChoice(
-                        index=o.index,
-                        delta=DeltaMessage(content=o.text),
-                        logprobs=self._logprobs(request, o),
-                        finish_reason=o.finish_reason,
-                        stop_reason=o.stop_reason,
-                    )
-                    yield chunk([choice], continuous)
+                        texts[o.index] += text
+                        step += self._tool_chunks(request, o, texts[o.index], streamers)
+                    elif text or final or (request.logprobs and o.token_ids and not step):
+                        # (an empty step is e.g. a token that ends inside a UTF-8 character)
+                        delta = DeltaMessage(content=text) if text or not thinks else DeltaMessage()
+                        step.append(
+                            ChatChunkChoice(
+                                index=o.index,
+                                delta=delta,
+                                finish_reason=o.finish_reason,
+                                stop_reason=o.stop_reason,
+                            )
+                        )
+                    if step:  # the step's logprobs go with its first chunk
+                        for c in step:
+                            c.logprobs = None
+                        step[0].logprobs = self._logprobs(request, o)
+                    for c in step:
+                        yield chunk([c], continuous)
             if include_usage:
                 yield chunk([], True)
         except EngineError as e:
@@ -373,17 +404,30 @@ class OpenAIServingChat(OpenAIServing):
 
 
 def _message(
-    o: CompletionOutput, echo: str, parser: ToolParser | None, role: str
+    o: CompletionOutput,
+    echo: str,
+    parser: ToolParser | None,
+    role: str,
+    reasoning_parser: ReasoningParser | None = None,
 ) -> ChatResponseMessage:
     """The reply of one finished choice: its text, or with a tool parser the content and
     calls it reads (an output whose calls do not parse is all content; a forced one cut by
-    the length limit keeps its complete calls, see `ToolParser.extract`)."""
+    the length limit keeps its complete calls, see `ToolParser.extract`); with a reasoning
+    parser, its thinking apart and the tool parser reading the rest."""
+    reasoning, text = None, o.text
+    if reasoning_parser is not None:
+        reasoning, text = reasoning_parser.extract(o.text)
+        if text is None and not echo:
+            return ChatResponseMessage(role=role, content=None, reasoning=reasoning)
+        text = text or ""
     if parser is None:
-        return ChatResponseMessage(role=role, content=echo + o.text)
-    content, calls = parser.extract(o.text, cut=o.finish_reason == "length")
+        return ChatResponseMessage(role=role, content=echo + text, reasoning=reasoning)
+    content, calls = parser.extract(text, cut=o.finish_reason == "length")
     if echo:
         content = echo + (content or "")
-    return ChatResponseMessage(role=role, content=content, tool_calls=calls or None)
+    return ChatResponseMessage(
+        role=role, content=content, reasoning=reasoning, tool_calls=calls or None
+    )
 
 
 def _echo_text(request: ChatCompletionRequest) -> str:
