@@ -88,6 +88,7 @@ def _check_vllm_only_args(args, source) -> tuple[int, ...] | None:
         )
     if args.async_scheduling:
         logger.warning("async_scheduling=True has no effect: steps are scheduled one by one")
+    _check_structured_outputs_config(args.structured_outputs_config)
     config = args.compilation_config
     if isinstance(config, str):
         try:
@@ -100,6 +101,32 @@ def _check_vllm_only_args(args, source) -> tuple[int, ...] | None:
         raise _bad("compilation_config", "a dict, an int or their JSON", config)
     sizes = config.get("cudagraph_capture_sizes")
     return None if sizes is None else _graph_sizes(sizes)
+
+
+def _check_structured_outputs_config(config) -> None:
+    """vLLM's `structured_outputs_config`: only its backend is read, and llguidance (vLLM's
+    "guidance") serves every backend's constraints here (a warning for the others).
+
+    Raises:
+        ValueError: naming the field: not a dict or its JSON, or another key.
+    """
+    if config is None:
+        return
+    rule = "a dict (or its JSON) with a backend"
+    if isinstance(config, str):
+        try:
+            config = json.loads(config)
+        except ValueError:
+            raise _bad("structured_outputs_config", rule, config) from None
+    if not isinstance(config, dict) or set(config) - {"backend"}:
+        raise _bad("structured_outputs_config", rule + " (no other key is read)", config)
+    backend = config.get("backend", "auto")
+    if backend not in ("auto", "guidance"):
+        logger.warning(
+            "structured_outputs_config backend %r: constraints are served by llguidance "
+            "(vLLM's 'guidance' backend)",
+            backend,
+        )
 
 
 def _served_names(value) -> tuple[str, ...]:

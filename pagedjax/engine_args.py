@@ -118,6 +118,12 @@ class EngineArgs:
         "Accepted for vLLM compatibility; the engine schedules each step after the last, so "
         "True only logs a warning.",
     )
+    structured_outputs_config: dict | str | None = _field(
+        None,
+        "vLLM's structured-output settings, as a dict or JSON (--structured-outputs-config."
+        "backend guidance): backend 'auto' or 'guidance' (llguidance, which serves every "
+        "constraint here); vLLM's other backends are served by it too, with a warning.",
+    )
     trust_remote_code: bool = _field(
         False,
         "Accepted for vLLM compatibility and has no effect: pagedjax runs its own model code "

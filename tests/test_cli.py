@@ -4,6 +4,7 @@ missing, and `serve` on a busy port failing at once, before any model is loaded.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -110,6 +111,17 @@ def test_vllm_scripts_argument_parsing_runs_unchanged():
     ns = parser.parse_args(["--max_model_len=256", "--kv_cache_dtype", "fp8", "-tp", "1"])
     assert (ns.max_model_len, ns.kv_cache_dtype, ns.tensor_parallel_size) == (256, "fp8", 1)
     assert EngineArgs.from_cli_args(ns).max_model_len == 256
+    # vLLM's dotted JSON flags: --flag.key value, keys nested and keeping underscores, values
+    # read as JSON where they parse (they were unrecognized arguments)
+    ns = parser.parse_args(
+        ["--speculative_config.method", "ngram", "--max-model-len", "64"]
+        + ["--speculative-config.num_speculative_tokens=3", "--compilation-config.a.b", "[1]"]
+    )
+    assert json.loads(ns.speculative_config) == {"method": "ngram", "num_speculative_tokens": 3}
+    assert json.loads(ns.compilation_config) == {"a": {"b": [1]}} and ns.max_model_len == 64
+    for bad in (["--speculative-config.method"], ["--x.k", "1", "--x.k", "2"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(bad)
     # values and whatever follows a bare "--" keep their underscores
     assert normalize_flag_names(["--a_b=c_d", "x_y", "-t_p", "--", "--e_f"]) == [
         "--a-b=c_d",

@@ -304,7 +304,13 @@ def test_bad_engine_and_sampling_arguments_name_the_field(make_llm, tiny_llama_d
     # vLLM's load_format / config_format / runner / async_scheduling / compilation_config
     # (each was "unknown engine argument(s)"): checked against what is loaded, or read
     model = str(tiny_llama_dir)
-    for kw in ({"load_format": "safetensors"}, {"config_format": "hf"}, {"runner": "generate"}):
+    for kw in (
+        {"load_format": "safetensors"},
+        {"config_format": "hf"},
+        {"runner": "generate"},
+        {"structured_outputs_config": '{"backend": "guidance"}'},
+        {"structured_outputs_config": {"backend": "xgrammar"}},  # served by llguidance
+    ):
         EngineArgs(model=model, **kw).create_engine_config()
     for kw, match in (
         ({"load_format": "gguf"}, "load_format must be the format of"),
@@ -312,6 +318,8 @@ def test_bad_engine_and_sampling_arguments_name_the_field(make_llm, tiny_llama_d
         ({"config_format": "mistral"}, "config_format must be one of"),
         ({"runner": "pooling"}, "runner must be one of"),
         ({"compilation_config": "{level"}, "compilation_config must be a dict"),
+        ({"structured_outputs_config": {"backend": "guidance", "x": 1}}, "no other key"),
+        ({"structured_outputs_config": "guidance"}, "structured_outputs_config must be"),
     ):
         with pytest.raises(ValueError, match=match):
             EngineArgs(model=model, **kw).create_engine_config()
