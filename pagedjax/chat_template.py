@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -42,6 +43,7 @@ def render_conversation(
     continue_final_message: bool = False,
     chat_template_kwargs: Mapping[str, Any] | None = None,
     encode: Callable[[str], list[int]] | None = None,
+    content_format: str = "auto",
 ) -> list[int]:
     """Token ids of one conversation rendered through a chat template.
 
@@ -61,6 +63,11 @@ def render_conversation(
             before its ids exist (the server); None: the template's tokenizer. Not used when
             `chat_template_kwargs` sets one of `TOKENIZATION_KWARGS` (e.g.
             `sanitize_control_tokens`), which only the template's own tokenization applies.
+        content_format: how messages' content reaches the template (vLLM's
+            `chat_template_content_format`): "string" (text parts joined by newlines),
+            "openai" (a list of `{"type": "text", "text": ...}` parts, a string content
+            too), or "auto": "openai" for a template that loops over a message's content
+            (`content_format_of`), else "string".
 
     Returns:
         The prompt's token ids.
@@ -87,7 +94,18 @@ def render_conversation(
         raise InvalidInputError(
             "continue_final_message needs a final assistant message", "messages"
         )
-    messages = [_template_message(m, i) for i, m in enumerate(conversation)]
+    if content_format not in CONTENT_FORMATS:
+        raise InvalidInputError(
+            f"chat_template_content_format must be one of {CONTENT_FORMATS}, got "
+            f"{content_format!r}",
+            "chat_template_content_format",
+        )
+    if content_format == "auto":
+        content_format = content_format_of(
+            chat_template if chat_template is not None else tokenizer
+        )
+    parts = content_format == "openai"
+    messages = [_template_message(m, i, parts) for i, m in enumerate(conversation)]
     kwargs = {k: v for k, v in (chat_template_kwargs or {}).items() if k not in RESERVED_KWARGS}
     tokenize = encode is None or any(k in kwargs for k in TOKENIZATION_KWARGS)
     try:
@@ -112,10 +130,11 @@ def render_conversation(
     return list(out)
 
 
-def _template_message(message: Mapping[str, Any], i: int) -> Mapping[str, Any]:
+def _template_message(message: Mapping[str, Any], i: int, parts: bool = False) -> Mapping[str, Any]:
     """Message i as templates read it (a copy only where something changes): content given
-    as OpenAI text parts (`[{"type": "text", "text": ...}, ...]`) joined by newlines, each
-    tool call's `function.arguments` given as a JSON string parsed into an object.
+    as OpenAI text parts (`[{"type": "text", "text": ...}, ...]`) joined by newlines (with
+    `parts`: kept as text parts, and a string content made one), each tool call's
+    `function.arguments` given as a JSON string parsed into an object.
 
     Raises:
         InvalidInputError: a content part that is not text, arguments that are not JSON.
@@ -123,10 +142,12 @@ def _template_message(message: Mapping[str, Any], i: int) -> Mapping[str, Any]:
     content = message.get("content")
     calls = message.get("tool_calls") or ()
     string_args = any(isinstance((c.get("function") or {}).get("arguments"), str) for c in calls)
-    if not isinstance(content, list) and not string_args:
+    if not isinstance(content, list) and not string_args and not (parts and content is not None):
         return message
     message = copy.deepcopy(dict(message))
-    if isinstance(content, list):
+    if parts and isinstance(content, str):
+        message["content"] = [{"type": "text", "text": content}]
+    elif isinstance(content, list):
         texts = []
         for part in content:
             if not isinstance(part, Mapping) or part.get("type") != "text":
@@ -136,7 +157,10 @@ def _template_message(message: Mapping[str, Any], i: int) -> Mapping[str, Any]:
                     "messages",
                 )
             texts.append(str(part.get("text", "")))
-        message["content"] = "\n".join(texts)
+        if parts:
+            message["content"] = [{"type": "text", "text": t} for t in texts]
+        else:
+            message["content"] = "\n".join(texts)
     for j, call in enumerate(message.get("tool_calls") or ()):
         fn = call.get("function") or {}
         if isinstance(fn.get("arguments"), str):
@@ -160,3 +184,20 @@ def template_reads_tools(template_or_tokenizer: Any) -> bool:
     if isinstance(source, dict):
         source = source.get("tool_use") or source.get("default") or ""
     return "tools" in source
+
+
+CONTENT_FORMATS = ("auto", "string", "openai")
+# a Jinja loop over a message's content: `for part in message['content']`, `... in m.content`
+_CONTENT_LOOP = re.compile(r"for\s+\w+\s+in\s+\w+(?:\.content\b|\[\s*['\"]content['\"]\s*\])")
+
+
+def content_format_of(template_or_tokenizer: Any) -> str:
+    """ "openai" for a chat template (its text, or a tokenizer's `chat_template`, a dict of
+    named templates included) that loops over a message's content, else "string" (vLLM's
+    "auto" detection, by the template's text)."""
+    source = template_or_tokenizer
+    if not isinstance(source, str):
+        source = getattr(source, "chat_template", None) or ""
+    if isinstance(source, dict):
+        source = "\n".join(str(v) for v in source.values())
+    return "openai" if _CONTENT_LOOP.search(source) else "string"

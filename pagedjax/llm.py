@@ -129,6 +129,7 @@ class LLM:
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        chat_template_content_format: str = "auto",
     ) -> list[RequestOutput]:
         """Generates replies to conversations rendered with the tokenizer's chat template.
 
@@ -150,6 +151,8 @@ class LLM:
                 that does not read `tools` renders without them.
             chat_template_kwargs: extra variables for the template (e.g.
                 {"enable_thinking": False} for Qwen3's).
+            chat_template_content_format: "auto", "string" or "openai": messages' content
+                as the template reads it (see `chat_template.render_conversation`).
 
         Raises:
             InvalidInputError (a ValueError): both add_generation_prompt and
@@ -183,6 +186,7 @@ class LLM:
                 continue_final_message=continue_final_message,
                 chat_template_kwargs=chat_template_kwargs,
                 encode=encode,
+                content_format=chat_template_content_format,
             )
             prompts.append({"prompt_token_ids": ids, "prompt": rendered[0] if rendered else None})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

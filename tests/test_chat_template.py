@@ -76,6 +76,36 @@ def test_text_parts_are_joined_like_a_string(tok):
     )
 
 
+PARTS_TEMPLATE = (
+    "{% for m in messages %}{% for p in m['content'] %}[{{ p['text'] }}]{% endfor %}{% endfor %}"
+)
+
+
+@pytest.mark.parametrize(
+    "template, fmt, want",
+    [
+        (PARTS_TEMPLATE, "auto", "[Hello][there][Hi]"),  # the loop is found: parts
+        (PARTS_TEMPLATE, "openai", "[Hello][there][Hi]"),
+        ("{% for m in messages %}<{{ m.content }}>{% endfor %}", "auto", "<Hello\nthere><Hi>"),
+        ("{% for m in messages %}<{{ m.content }}>{% endfor %}", "string", "<Hello\nthere><Hi>"),
+    ],
+)
+def test_chat_template_content_format_as_vllm(tok, template, fmt, want):
+    """vLLM's chat_template_content_format: "openai" hands the template text parts (a string
+    content made one part), "string" joins them, "auto" picks by whether the template loops
+    over a message's content (with the string format, such a template looped over the
+    characters: every part rendered empty)."""
+    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]
+    conv = [{"role": "user", "content": parts}, {"role": "assistant", "content": "Hi"}]
+    ids = render_conversation(
+        tok, conv, chat_template=template, add_generation_prompt=False, content_format=fmt
+    )
+    assert tok.decode(ids) == want
+    with pytest.raises(InvalidInputError) as e:
+        render_conversation(tok, conv, chat_template=template, content_format="json")
+    assert e.value.param == "chat_template_content_format"
+
+
 def test_template_kwargs_reach_the_template_but_not_the_reserved_names(tok):
     template = "{{ greeting }}{% for m in messages %}{{ m.content }}{% endfor %}"
     ids = render_conversation(

@@ -118,3 +118,20 @@ def test_the_flags_parse_as_vllms():
     assert ns.allow_credentials and ns.response_role == "model" and ns.enable_log_requests
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["serve", "--allowed-origins", "https://a.example"])
+
+
+def test_chat_template_content_format_reaches_the_template(tokenizer):
+    """`--chat-template-content-format` (vLLM's; it was an unrecognized argument): "auto"
+    gives a template that loops over a message's content the text parts, "string" the
+    joined text (which such a template walks character by character)."""
+    template = (
+        "{% for m in messages %}{% for p in m['content'] %}[{{ p['text'] }}]{% endfor %}"
+        "{% endfor %}"
+    )
+    body = {"model": "stub", "messages": [{"role": "user", "content": "hi"}]}
+    for fmt, want in (("auto", "[hi]"), ("openai", "[hi]"), ("string", "[][]")):
+        engine, app = _app(tokenizer, chat_template=template, chat_template_content_format=fmt)
+        assert _post(app, "/v1/chat/completions", body).status_code == 200
+        assert tokenizer.decode(engine.requests[0][0]) == want
+    ns = cli.build_parser().parse_args(["serve", "--chat-template-content-format", "openai"])
+    assert ns.chat_template_content_format == "openai"

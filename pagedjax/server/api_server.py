@@ -231,6 +231,7 @@ def build_app(
     tool_call_parser: str | None = None,
     response_role: str = "assistant",
     reasoning_parser: str | None = None,
+    chat_template_content_format: str = "auto",
     cors: dict | None = None,
     log_requests: bool = False,
 ) -> FastAPI:
@@ -246,6 +247,8 @@ def build_app(
         response_role: the role of chat replies after a generation prompt.
         reasoning_parser: "deepseek_r1" or "qwen3": chat replies' thinking comes back as
             `reasoning` (`reasoning_parsers`).
+        chat_template_content_format: "auto", "string" or "openai": messages' content as
+            the template reads it (`chat_template.render_conversation`).
         cors: Starlette `CORSMiddleware` arguments (allow_origins, allow_methods,
             allow_headers, allow_credentials); None: every origin, method and header, no
             credentials (vLLM's defaults). It runs before the API key check, so that
@@ -288,6 +291,8 @@ def build_app(
     )
     completions.log_requests = chat.log_requests = log_requests
     base = OpenAIServing(engine, names, chat_template)
+    for serving in (completions, chat, base):
+        serving.content_format = chat_template_content_format
     created = int(time.time())
 
     @app.exception_handler(APIError)
@@ -455,6 +460,7 @@ def run_server(ns: argparse.Namespace, sock: socket.socket | None = None) -> int
         tool_call_parser=ns.tool_call_parser,
         response_role=ns.response_role,
         reasoning_parser=ns.reasoning_parser,
+        chat_template_content_format=ns.chat_template_content_format,
         cors={
             "allow_origins": ns.allowed_origins,
             "allow_methods": ns.allowed_methods,

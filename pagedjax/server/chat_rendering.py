@@ -26,6 +26,7 @@ def render_chat(
     tools: Sequence[Any] | None = None,
     template_kwargs: dict[str, Any] | None = None,
     encode: Callable[[str], list[int]] | None = None,
+    content_format: str = "auto",
 ) -> list[int]:
     """Token ids of a conversation rendered through a chat template.
 
@@ -40,6 +41,8 @@ def render_chat(
         template_kwargs: extra template variables (`chat_template_kwargs`).
         encode: the rendered text's token ids (see `render_conversation`); None: the
             tokenizer's own.
+        content_format: "auto", "string" or "openai" (`--chat-template-content-format`,
+            see `render_conversation`).
 
     Returns:
         The prompt's token ids.
@@ -61,6 +64,7 @@ def render_chat(
             continue_final_message=continue_final_message,
             chat_template_kwargs=template_kwargs,
             encode=encode,
+            content_format=content_format,
         )
     except InvalidInputError as e:
         raise bad_request(str(e), e.param) from e

@@ -65,6 +65,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "Hermes, Qwen2.5, Qwen3) or llama3_json (Llama 3.1/3.2 JSON).",
     )
     g.add_argument(
+        "--chat-template-content-format",
+        default="auto",
+        choices=("auto", "string", "openai"),
+        help="Messages' content as the chat template reads it: string (text parts joined), "
+        "openai (a list of text parts), or auto (openai for a template that loops over it).",
+    )
+    g.add_argument(
         "--reasoning-parser",
         default=None,
         choices=REASONING_PARSER_NAMES,

@@ -101,6 +101,7 @@ class OpenAIServing:
         }
         self.chat_template = chat_template
         self.log_requests = False  # --enable-log-requests: each request's id and parameters
+        self.content_format = "auto"  # --chat-template-content-format
         self._tools_warned = False  # the "template ignores tools" warning, once per server
         self.tokenizer = engine.get_tokenizer()
         self.max_model_len = mc.max_model_len  # reported by /tokenize and /v1/models
@@ -333,6 +334,7 @@ class OpenAIServing:
             tools=tools,
             template_kwargs=template_kwargs,
             encode=lambda text: self.encode_batch([text], False, "messages", limit)[0],
+            content_format=self.content_format,
         )
 
     # ------------------------------------------------------------------ logprobs
