@@ -32,7 +32,6 @@ import asyncio
 import contextlib
 import gc
 import logging
-import secrets
 import signal
 import socket
 import time
@@ -41,7 +40,6 @@ from pathlib import Path
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
@@ -49,6 +47,14 @@ import pagedjax
 from pagedjax.engine.async_llm import AsyncLLM, EngineDeadError
 from pagedjax.engine.prometheus import CONTENT_TYPE
 from pagedjax.server.cli_args import check_serve_args
+from pagedjax.server.middleware import (
+    DEFAULT_MAX_REQUEST_BODY_BYTES,
+    ApiKeyMiddleware,
+    BodyLimitMiddleware,
+    BodyTooLarge,
+    error_response,
+    too_large_error,
+)
 from pagedjax.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -79,10 +85,6 @@ _ERRORS = {
 }
 
 
-def _error_response(err: APIError) -> JSONResponse:
-    return JSONResponse(err.body.model_dump(), status_code=err.status_code)
-
-
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     parts, param = [], None
     for e in exc.errors()[:3]:
@@ -104,96 +106,11 @@ def _is_json(content_type: str | None) -> bool:
     )
 
 
-class _ApiKeyMiddleware:
-    """Pure ASGI middleware: `/v1/*` needs `Authorization: Bearer <api key>` (vLLM's rule)."""
-
-    def __init__(self, app, api_key: str):
-        self.app = app
-        self._expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope, receive, send):
-        if (
-            scope["type"] == "http"
-            and scope["path"].startswith("/v1")
-            and scope["method"] != "OPTIONS"
-        ):
-            given = Headers(scope=scope).get("authorization", "").encode()
-            if not secrets.compare_digest(given, self._expected):
-                err = APIError(401, "Invalid or missing API key.", code="invalid_api_key")
-                await _error_response(err)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
-DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 1024 * 1024
-
 # what an unknown path's 404 says is there
 _ENDPOINTS = (
     "POST /v1/completions, POST /v1/chat/completions, GET /v1/models, POST /tokenize, "
     "POST /detokenize, GET /health, GET /metrics, GET /version"
 )
-
-
-class _BodyTooLarge(StarletteHTTPException):
-    """Raised from the body-limit middleware's `receive` when a streamed body passes the
-    limit; FastAPI re-raises HTTPExceptions met while reading a body, so the app's handler
-    (or, failing that, the middleware itself) answers 413."""
-
-    def __init__(self, limit: int):
-        super().__init__(413, _too_large_message(limit))
-
-
-def _too_large_message(limit: int) -> str:
-    return (
-        f"The request body is larger than this server's limit of {limit} bytes "
-        "(--max-request-body-bytes)."
-    )
-
-
-def _too_large_error(limit: int) -> APIError:
-    return APIError(413, _too_large_message(limit), code="request_too_large")
-
-
-class _BodyLimitMiddleware:
-    """Pure ASGI middleware: a request body over `max_bytes` is refused with 413 before it
-    is parsed, at once from its Content-Length, else when the streamed bytes pass it."""
-
-    def __init__(self, app, max_bytes: int):
-        self.app = app
-        self.max_bytes = max_bytes
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        limit = self.max_bytes
-        length = Headers(scope=scope).get("content-length", "")
-        if length.isdigit() and int(length) > limit:
-            await _error_response(_too_large_error(limit))(scope, receive, send)
-            return
-        received = 0
-        started = False
-
-        async def limited_receive():
-            nonlocal received
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > limit:
-                    raise _BodyTooLarge(limit)
-            return message
-
-        async def tracked_send(message):
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        try:
-            await self.app(scope, limited_receive, tracked_send)
-        except _BodyTooLarge:
-            if started:
-                raise
-            await _error_response(_too_large_error(limit))(scope, receive, send)
 
 
 async def _until_disconnected(raw_request: Request) -> None:
@@ -268,9 +185,9 @@ def build_app(
         await asyncio.to_thread(engine.shutdown)
 
     app = FastAPI(title="pagedjax", version=pagedjax.__version__, lifespan=lifespan)
-    app.add_middleware(_BodyLimitMiddleware, max_bytes=max_request_body_bytes)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_body_bytes)
     if api_key:  # added after the body limit, so it runs first: no body is read without it
-        app.add_middleware(_ApiKeyMiddleware, api_key=api_key)
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     cors = cors or {}
     app.add_middleware(  # outermost: preflights are answered before the key is checked
         CORSMiddleware,
@@ -297,21 +214,21 @@ def build_app(
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
-        return _error_response(exc)
+        return error_response(exc)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
         content_type = request.headers.get("content-type")
         if not _is_json(content_type):
-            return _error_response(
+            return error_response(
                 APIError(415, f"Content-Type must be application/json, got {content_type!r}")
             )
         message, param = _validation_message(exc)
-        return _error_response(bad_request(message, param))
+        return error_response(bad_request(message, param))
 
-    @app.exception_handler(_BodyTooLarge)
-    async def _too_large(request: Request, exc: _BodyTooLarge):
-        return _error_response(_too_large_error(max_request_body_bytes))
+    @app.exception_handler(BodyTooLarge)
+    async def _too_large(request: Request, exc: BodyTooLarge):
+        return error_response(too_large_error(max_request_body_bytes))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
@@ -321,24 +238,24 @@ def build_app(
                 f"Invalid URL ({request.method} {request.url.path}): this endpoint is not "
                 f"supported by this server, which serves {_ENDPOINTS}."
             )
-            return _error_response(APIError(404, message, code="unsupported_endpoint"))
+            return error_response(APIError(404, message, code="unsupported_endpoint"))
         err = APIError(exc.status_code, str(exc.detail), type=kind)
         return JSONResponse(err.body.model_dump(), status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(EngineDeadError)
     async def _dead(request: Request, exc: EngineDeadError):
-        return _error_response(APIError(503, str(exc), type="server_error"))
+        return error_response(APIError(503, str(exc), type="server_error"))
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception):
         logger.exception("internal error on %s", request.url.path)
         err = APIError(500, f"internal server error: {type(exc).__name__}", type="server_error")
-        return _error_response(err)
+        return error_response(err)
 
     @app.get("/health", responses={503: {"model": ErrorResponse}})
     async def health() -> Response:
         if engine.errored:
-            return _error_response(APIError(503, "the engine has stopped", type="server_error"))
+            return error_response(APIError(503, "the engine has stopped", type="server_error"))
         return Response(status_code=200)
 
     @app.get("/version")
