@@ -317,8 +317,7 @@ class LLMEngine:
                 self.scheduler.finish_requests(
                     [c.request.request_id for c in parent.children], RequestStatus.FINISHED_ABORTED
                 )
-                parent.metrics.finished_time = time.time()
-                outputs.append(self.output_processor.make_output(parent, finished=True))
+                outputs.append(self.output_processor.final_output(parent))
         return outputs
 
     def has_unfinished_requests(self) -> bool:

@@ -153,16 +153,19 @@ class OutputProcessor:
         """The outputs `output_kind` asks for; finished parents are forgotten."""
         outputs = []
         for parent in touched:
-            finished = all(c.request.is_finished for c in parent.children)
-            if finished:
-                parent.metrics.finished_time = time.time()
-                parent.metrics.num_preemptions = sum(
-                    c.request.num_preemptions for c in parent.children
-                )
+            if all(c.request.is_finished for c in parent.children):
                 self.remove(parent.request_id)
-            if finished or parent.params.output_kind != RequestOutputKind.FINAL_ONLY:
-                outputs.append(self.make_output(parent, finished))
+                outputs.append(self.final_output(parent))
+            elif parent.params.output_kind != RequestOutputKind.FINAL_ONLY:
+                outputs.append(self.make_output(parent, False))
         return outputs
+
+    def final_output(self, parent: ParentState) -> RequestOutput:
+        """A finished (or aborted) parent's last output, its metrics completed (finish time,
+        preemptions)."""
+        parent.metrics.finished_time = time.time()
+        parent.metrics.num_preemptions = sum(c.request.num_preemptions for c in parent.children)
+        return self.make_output(parent, True)
 
     def make_output(self, parent: ParentState, finished: bool) -> RequestOutput:
         """The parent's output in its `output_kind`: every sample (CUMULATIVE, FINAL_ONLY) or

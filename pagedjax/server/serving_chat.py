@@ -350,7 +350,7 @@ class OpenAIServingChat(OpenAIServing):
                         )
                     if streamers is not None:
                         texts[o.index] += text
-                        step += self._tool_chunks(request, o, texts[o.index], streamers)
+                        step += self._tool_chunks(request, o, texts[o.index], streamers, bool(step))
                     elif text or final or (request.logprobs and o.token_ids and not step):
                         # (an empty step is e.g. a token that ends inside a UTF-8 character)
                         delta = DeltaMessage(content=text) if text or not thinks else DeltaMessage()
@@ -363,8 +363,6 @@ class OpenAIServingChat(OpenAIServing):
                             )
                         )
                     if step:  # the step's logprobs go with its first chunk
-                        for c in step:
-                            c.logprobs = None
                         step[0].logprobs = self._logprobs(request, o)
                     for c in step:
                         yield chunk([c], continuous)
@@ -380,21 +378,22 @@ class OpenAIServingChat(OpenAIServing):
         o: CompletionOutput,
         text: str,
         streamers: list[ToolCallStreamer],
+        carried: bool = False,
     ) -> list[ChatChunkChoice]:
         """The chunks of one step of a choice read by a tool parser: its content and
-        tool-call deltas; the step's logprobs go with the first, the finish reason with the
-        last ("tool_calls" when calls were sent and the output stopped)."""
+        tool-call deltas, the finish reason with the last ("tool_calls" when calls were sent
+        and the output stopped); an empty chunk carries the step's logprobs (set by the
+        caller on the step's first chunk) when there is nothing else and no earlier chunk of
+        the step (`carried`: a reasoning chunk) carries them."""
         streamer = streamers[o.index]
         final = o.finish_reason is not None
         deltas = [
             DeltaMessage(content=content) if tool is None else DeltaMessage(tool_calls=[tool])
             for content, tool in streamer.update(text, final)
         ]
-        if not deltas and (final or (request.logprobs and o.token_ids)):
+        if not deltas and (final or (request.logprobs and o.token_ids and not carried)):
             deltas = [DeltaMessage()]
         out = [ChatChunkChoice(index=o.index, delta=d) for d in deltas]
-        if out:
-            out[0].logprobs = self._logprobs(request, o)
         if final:
             reason = o.finish_reason
             if streamer.tools_called and reason == "stop":
