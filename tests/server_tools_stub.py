@@ -14,7 +14,7 @@ import openai
 
 from pagedjax.engine.async_llm import RequestStream
 from pagedjax.errors import InvalidInputError
-from pagedjax.outputs import CompletionOutput, RequestOutput
+from pagedjax.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedjax.sampling_params import RequestOutputKind
 from pagedjax.server.api_server import build_app
 from tests.conftest import make_tokenizer
@@ -64,10 +64,11 @@ Tools:
 
 class StubEngine:
     """Records (prompt ids, SamplingParams) of each request and answers every choice with
-    `self.reply` (DELTA outputs of 3 characters, or one FINAL_ONLY output), finished with
-    `self.finish_reason`. A constraint
-    whose regex is "(" or whose schema has "type": "nonsense" is refused as the engine
-    refuses what does not compile."""
+    `self.reply` (DELTA outputs of `self.piece_chars` characters, or one FINAL_ONLY output),
+    finished with `self.finish_reason`: one token per character, and with `logprobs` asked
+    for, the reply's i-th token is id 10 + i with logprob -i / 100. A constraint whose regex
+    is "(" or whose schema has "type": "nonsense" is refused as the engine refuses what does
+    not compile."""
 
     def __init__(self, tokenizer):
         arch = SimpleNamespace(vocab_size=320)
@@ -84,6 +85,7 @@ class StubEngine:
         self.errored = False
         self.requests: list[tuple[list[int], object]] = []
         self.reply = ""
+        self.piece_chars = 3
         self.finish_reason = "stop"
 
     def get_tokenizer(self):
@@ -104,16 +106,25 @@ class StubEngine:
             self.requests.append((prompt["prompt_token_ids"], params))
             stream = RequestStream(rid, params.output_kind, self)
             text = self.reply
-            pieces = [text[i : i + 3] for i in range(0, len(text), 3)] or [""]
+            n = self.piece_chars
+            pieces = [text[i : i + n] for i in range(0, len(text), n)] or [""]
             if params.output_kind == RequestOutputKind.FINAL_ONLY:
                 pieces = [text]
+            done = 0  # characters sent: one token each
             for k, piece in enumerate(pieces):
                 last = k == len(pieces) - 1
+                ids = [5] * len(piece)
+                logprobs = None
+                if params.logprobs is not None:  # token i is id 10 + i, logprob -i / 100
+                    ids = [10 + done + j for j in range(len(piece))]
+                    logprobs = [{t: Logprob(-(t - 10) / 100, rank=1)} for t in ids]
+                done += len(piece)
                 outs = [
                     CompletionOutput(
                         index=i,
                         text=piece,
-                        token_ids=[5] * len(piece),
+                        token_ids=ids,
+                        logprobs=logprobs,
                         finish_reason=self.finish_reason if last else None,
                     )
                     for i in range(params.n)

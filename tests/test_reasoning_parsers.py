@@ -138,3 +138,41 @@ def test_an_unknown_parser_is_refused():
         cli.build_parser().parse_args(["serve", "--reasoning-parser", "nope"])
     ns = cli.build_parser().parse_args(["serve", "--reasoning-parser", "deepseek_r1"])
     assert ns.reasoning_parser == "deepseek_r1"
+
+
+@pytest.mark.parametrize("piece_chars", [3, 16])
+@pytest.mark.parametrize("tools", [False, True], ids=["content", "tool-parser"])
+def test_streamed_logprobs_come_once_per_token_in_order(tokenizer, tools, piece_chars):
+    """Each token's logprob is streamed once and in order, on the first chunk of its step,
+    whether the step's text is reasoning, content, a tool call held back by the tool parser,
+    or (16 characters a step: "Plan.</think>Cal") reasoning and content at once; no chunk
+    but the first and the last is empty."""
+    kw = {}
+    if tools:
+        kw = dict(chat_template=TOOL_TEMPLATE, enable_auto_tool_choice=True)
+        kw["tool_call_parser"] = "hermes"
+    engine, app = _app(tokenizer, reasoning_parser="deepseek_r1", **kw)
+    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+    engine.reply = "Plan.</think>Calling " + call
+    engine.piece_chars = piece_chars
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
+    body = {"model": "stub", "messages": MESSAGES, "logprobs": True, "top_logprobs": 1}
+    if tools:
+        body["tools"] = [tool]
+    want = [-i / 100 for i in range(len(engine.reply))]
+    whole = _post(app, "/v1/chat/completions", body).json()["choices"][0]
+    assert [e["logprob"] for e in whole["logprobs"]["content"]] == want
+    r = _post(app, "/v1/chat/completions", {**body, "stream": True})
+    lines = [line[6:] for line in r.text.splitlines() if line.startswith("data: {")]
+    choices = [json.loads(line)["choices"][0] for line in lines]
+    got = [e["logprob"] for c in choices if c.get("logprobs") for e in c["logprobs"]["content"]]
+    assert got == want
+    for c in choices[1:-1]:
+        assert c["logprobs"] or any(v for k, v in c["delta"].items() if k != "role"), c
+    deltas = [c["delta"] for c in choices]
+    assert "".join(d.get("reasoning", "") for d in deltas) == "Plan."
+    if tools:
+        assert choices[-1]["finish_reason"] == "tool_calls"
+        assert "".join(d.get("content", "") for d in deltas) == "Calling "
+    else:
+        assert "".join(d.get("content", "") for d in deltas) == "Calling " + call
