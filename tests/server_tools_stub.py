@@ -62,13 +62,17 @@ Tools:
 {% endif %}"""
 
 
+# the server options of "auto" tool calls read by the hermes parser
+HERMES = dict(chat_template=TOOL_TEMPLATE, enable_auto_tool_choice=True, tool_call_parser="hermes")
+
+
 class StubEngine:
     """Records (prompt ids, SamplingParams) of each request and answers every choice with
     `self.reply` (DELTA outputs of `self.piece_chars` characters, or one FINAL_ONLY output),
     finished with `self.finish_reason`: one token per character, and with `logprobs` asked
     for, the reply's i-th token is id 10 + i with logprob -i / 100. A constraint whose regex
     is "(" or whose schema has "type": "nonsense" is refused as the engine refuses what does
-    not compile."""
+    not compile. Every prompt is [7, 8] to the client, `cached_tokens` of it cached."""
 
     def __init__(self, tokenizer):
         arch = SimpleNamespace(vocab_size=320)
@@ -87,6 +91,7 @@ class StubEngine:
         self.reply = ""
         self.piece_chars = 3
         self.finish_reason = "stop"
+        self.cached_tokens = 0  # each output's num_cached_tokens
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -129,7 +134,8 @@ class StubEngine:
                     )
                     for i in range(params.n)
                 ]
-                stream._put(RequestOutput(rid, None, [7, 8], outs, finished=last))
+                out = RequestOutput(rid, None, [7, 8], outs, last, None, self.cached_tokens)
+                stream._put(out)
             streams.append(stream)
         return streams
 

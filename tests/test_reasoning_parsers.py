@@ -16,7 +16,7 @@ from pagedjax.server.reasoning_parsers import (
     ReasoningParser,
     ReasoningStreamer,
 )
-from tests.server_tools_stub import TOOL_TEMPLATE, _app, _post, stub_tokenizer
+from tests.server_tools_stub import HERMES, _app, _post, stub_tokenizer
 
 CASES = [
     # reply, (reasoning, content)
@@ -103,13 +103,7 @@ def test_the_server_returns_reasoning_apart(tokenizer):
 
 
 def test_tool_calls_are_read_from_the_content_only(tokenizer):
-    engine, app = _app(
-        tokenizer,
-        chat_template=TOOL_TEMPLATE,
-        enable_auto_tool_choice=True,
-        tool_call_parser="hermes",
-        reasoning_parser="deepseek_r1",
-    )
+    engine, app = _app(tokenizer, **HERMES, reasoning_parser="deepseek_r1")
     call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
     engine.reply = "I should call <tool_call>{}</tool_call> maybe</think>" + call
     tool = {
@@ -147,11 +141,7 @@ def test_streamed_logprobs_come_once_per_token_in_order(tokenizer, tools, piece_
     whether the step's text is reasoning, content, a tool call held back by the tool parser,
     or (16 characters a step: "Plan.</think>Cal") reasoning and content at once; no chunk
     but the first and the last is empty."""
-    kw = {}
-    if tools:
-        kw = dict(chat_template=TOOL_TEMPLATE, enable_auto_tool_choice=True)
-        kw["tool_call_parser"] = "hermes"
-    engine, app = _app(tokenizer, reasoning_parser="deepseek_r1", **kw)
+    engine, app = _app(tokenizer, reasoning_parser="deepseek_r1", **(HERMES if tools else {}))
     call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
     engine.reply = "Plan.</think>Calling " + call
     engine.piece_chars = piece_chars

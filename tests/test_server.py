@@ -205,6 +205,30 @@ def test_chat_equals_offline_streamed_or_not(server, client, llm):
     assert (usage.prompt_tokens, usage.completion_tokens) == (len(ref.prompt_token_ids), 20)
 
 
+def test_responses_equal_offline_chat_streamed_or_not(server, client, llm):
+    """`/v1/responses`: the same reply as the offline chat; a repeated prompt is served
+    from the prefix cache and its usage says how much of it."""
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Which is the largest ocean on Earth?"},
+    ]
+    ref = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=10), use_tqdm=False)[0]
+    kw = dict(model="tiny", instructions="Be brief.", input=messages[1]["content"])
+    res = client.responses.create(**kw, temperature=0, max_output_tokens=10)
+    assert res.output_text == ref.outputs[0].text and res.status == "incomplete"
+    assert res.usage.input_tokens == len(ref.prompt_token_ids)
+    assert res.usage.output_tokens == 10
+    again = client.responses.create(**kw, temperature=0, max_output_tokens=10)
+    cached = again.usage.input_tokens_details.cached_tokens
+    assert 0 < cached < len(ref.prompt_token_ids), cached  # whole blocks of the prompt
+    with client.responses.stream(**kw, temperature=0, max_output_tokens=10) as stream:
+        events = list(stream)  # a cut reply ends with response.incomplete, as OpenAI's do
+    assert events[-1].type == "response.incomplete"
+    assert events[-1].response.output_text == ref.outputs[0].text
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == ref.outputs[0].text
+
+
 def test_chat_without_max_tokens_runs_to_max_model_len(server, client, llm):
     messages = [{"role": "user", "content": "Hi"}]
     ref = llm.chat(

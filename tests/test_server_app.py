@@ -94,7 +94,7 @@ def test_body_under_the_limit_is_parsed_as_before():
     assert _assert_openai_error(res, 404)["param"] == "model"
 
 
-@pytest.mark.parametrize("path", ["/v1/embeddings", "/v1/responses", "/v1/audio/speech"])
+@pytest.mark.parametrize("path", ["/v1/embeddings", "/v1/rerank", "/v1/audio/speech"])
 def test_unsupported_endpoints_are_404_with_an_openai_error_naming_them(path):
     app = build_app(_stub_engine())
     res = _request(app, "POST", path, json={"model": "stub", "input": "x"})

@@ -1,9 +1,10 @@
 """The OpenAI-compatible HTTP server: the FastAPI app, its error handling, and `run_server`
 (what `pagedjax serve` runs: build the engine, then serve it with uvicorn).
 
-Endpoints: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models[/{id}]`,
-`GET /health`, `GET /metrics` (Prometheus text), `POST /tokenize`, `POST /detokenize`,
-`GET /version`, and FastAPI's `/openapi.json` and `/docs`.
+Endpoints: `POST /v1/completions`, `POST /v1/chat/completions`, `POST /v1/responses`
+(OpenAI's Responses API, served by the chat path: `serving_responses`), `GET
+/v1/models[/{id}]`, `GET /health`, `GET /metrics` (Prometheus text), `POST /tokenize`, `POST
+/detokenize`, `GET /version`, and FastAPI's `/openapi.json` and `/docs`.
 
 Errors always have OpenAI's body `{"error": {"message", "type", "param", "code"}}`:
 400 for a request that is malformed or out of range (bad JSON, wrong types, a prompt longer
@@ -68,10 +69,12 @@ from pagedjax.server.protocol_responses import (
     ModelList,
     TokenizeResponse,
 )
+from pagedjax.server.protocol_responses_api import ResponsesRequest
 from pagedjax.server.serving import OpenAIServing
 from pagedjax.server.serving_chat import OpenAIServingChat
 from pagedjax.server.serving_completion import OpenAIServingCompletion
 from pagedjax.server.serving_errors import APIError, bad_request
+from pagedjax.server.serving_responses import OpenAIServingResponses
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +111,8 @@ def _is_json(content_type: str | None) -> bool:
 
 # what an unknown path's 404 says is there
 _ENDPOINTS = (
-    "POST /v1/completions, POST /v1/chat/completions, GET /v1/models, POST /tokenize, "
+    "POST /v1/completions, POST /v1/chat/completions, POST /v1/responses, GET /v1/models, "
+    "POST /tokenize, "
     "POST /detokenize, GET /health, GET /metrics, GET /version"
 )
 
@@ -151,6 +155,7 @@ def build_app(
     chat_template_content_format: str = "auto",
     cors: dict | None = None,
     log_requests: bool = False,
+    enable_prompt_tokens_details: bool = False,
 ) -> FastAPI:
     """The FastAPI app serving `engine` (see the module docstring).
 
@@ -171,6 +176,8 @@ def build_app(
             credentials (vLLM's defaults). It runs before the API key check, so that
             browsers' preflight requests (which carry no key) are answered.
         log_requests: log each generation request's id and parameters at INFO.
+        enable_prompt_tokens_details: chat and completion usage carries
+            `prompt_tokens_details.cached_tokens`.
 
     Raises:
         ValueError: an unknown tool_call_parser or reasoning_parser, or auto tool choice
@@ -207,6 +214,9 @@ def build_app(
         reasoning_parser,
     )
     completions.log_requests = chat.log_requests = log_requests
+    completions.enable_prompt_tokens_details = enable_prompt_tokens_details
+    chat.enable_prompt_tokens_details = enable_prompt_tokens_details
+    responses = OpenAIServingResponses(chat)
     base = OpenAIServing(engine, names, chat_template)
     for serving in (completions, chat, base):
         serving.content_format = chat_template_content_format
@@ -287,6 +297,10 @@ def build_app(
     @app.post("/v1/chat/completions", responses=_ERRORS)
     async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request):
         return await _cancel_on_disconnect(raw_request, chat.create(request))
+
+    @app.post("/v1/responses", responses=_ERRORS)
+    async def create_response(request: ResponsesRequest, raw_request: Request):
+        return await _cancel_on_disconnect(raw_request, responses.create(request))
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
     async def tokenize(request: TokenizeRequest) -> Response:
@@ -385,6 +399,7 @@ def run_server(ns: argparse.Namespace, sock: socket.socket | None = None) -> int
             "allow_credentials": ns.allow_credentials,
         },
         log_requests=ns.enable_log_requests,
+        enable_prompt_tokens_details=ns.enable_prompt_tokens_details,
     )
     _freeze_gc_heap()
     config = uvicorn.Config(

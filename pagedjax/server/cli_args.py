@@ -106,6 +106,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "--allow-credentials", action="store_true", help="CORS: allow credentials (cookies)."
     )
     g.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="Chat and completion usage carries prompt_tokens_details.cached_tokens, the prompt "
+        "tokens served from the prefix cache (vLLM's; /v1/responses always reports them).",
+    )
+    g.add_argument(
         "--enable-log-requests",
         action="store_true",
         help="Log each request at INFO: its id, endpoint, prompt token count and sampling "

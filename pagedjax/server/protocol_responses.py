@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from typing import Literal
 
-from pydantic import Field, TypeAdapter
+from pydantic import Field, TypeAdapter, model_serializer
 
 from pagedjax.server.protocol_base import ResponseModel
 from pagedjax.server.protocol_tools import DeltaToolCall, ToolCall
@@ -31,10 +31,22 @@ class ErrorResponse(ResponseModel):
 # --------------------------------------------------------------------------- responses
 
 
+class PromptTokensDetails(ResponseModel):
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
 class UsageInfo(ResponseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None  # left out when None
+
+    @model_serializer(mode="wrap")
+    def _without_details(self, handler):
+        data = handler(self)
+        if self.prompt_tokens_details is None:
+            data.pop("prompt_tokens_details", None)
+        return data
 
 
 class CompletionLogprobs(ResponseModel):

@@ -101,6 +101,8 @@ class OpenAIServing:
         }
         self.chat_template = chat_template
         self.log_requests = False  # --enable-log-requests: each request's id and parameters
+        # --enable-prompt-tokens-details: usage.prompt_tokens_details.cached_tokens
+        self.enable_prompt_tokens_details = False
         self.content_format = "auto"  # --chat-template-content-format
         self._tools_warned = False  # the "template ignores tools" warning, once per server
         self.tokenizer = engine.get_tokenizer()

@@ -49,6 +49,7 @@ from pagedjax.server.protocol_responses import (
     ChatLogprobs,
     ChatResponseMessage,
     DeltaMessage,
+    PromptTokensDetails,
     TokenLogprob,
     TopLogprob,
     UsageInfo,
@@ -142,8 +143,11 @@ class OpenAIServingChat(OpenAIServing):
             )
         return TOOL_PARSERS[self.tool_call_parser]()
 
-    async def create(self, request: ChatCompletionRequest):
-        """Returns a JSON Response or a StreamingResponse; raises APIError for bad input."""
+    async def create(self, request: ChatCompletionRequest, prompt_tokens_details: bool = False):
+        """Returns a JSON Response or a StreamingResponse; raises APIError for bad input.
+        With `prompt_tokens_details` (or the server's `enable_prompt_tokens_details`), the
+        usage has `prompt_tokens_details.cached_tokens`."""
+        details = prompt_tokens_details or self.enable_prompt_tokens_details
         self.check_model(request.model)
         self.warn_ignored_fields(request)
         try:
@@ -178,7 +182,7 @@ class OpenAIServingChat(OpenAIServing):
         echo = _echo_text(request)
         if request.stream:
             return StreamingResponse(
-                self._stream(request, request_id, created, stream, echo, parser),
+                self._stream(request, request_id, created, stream, echo, parser, details),
                 media_type="text/event-stream",
             )
         final = None
@@ -188,7 +192,7 @@ class OpenAIServingChat(OpenAIServing):
         except EngineError as e:
             raise APIError(500, str(e), type="server_error") from e
         refuse_late_constraint_errors([final], constraint_param)
-        args = (request, request_id, created, final, echo, parser)
+        args = (request, request_id, created, final, echo, parser, details)
         return Response(await self.off_loop(self._final_body, *args), media_type="application/json")
 
     def _final_body(
@@ -199,9 +203,11 @@ class OpenAIServingChat(OpenAIServing):
         final: RequestOutput,
         echo: str,
         parser: ToolParser | None,
+        details: bool = False,
     ) -> str:
         """The non-streamed response's JSON (run off the event loop: prompt logprobs may be
-        large); `prompt_logprobs` only when asked for, `tool_calls` only when present."""
+        large); `prompt_logprobs` only when asked for, `tool_calls` only when present, the
+        usage's `prompt_tokens_details` with `details`."""
         choices = [
             ChatChoice(
                 index=o.index,
@@ -225,6 +231,7 @@ class OpenAIServingChat(OpenAIServing):
                 prompt_tokens=len(final.prompt_token_ids),
                 completion_tokens=completion_tokens,
                 total_tokens=len(final.prompt_token_ids) + completion_tokens,
+                prompt_tokens_details=_details(final) if details else None,
             ),
             prompt_logprobs=self.prompt_logprobs(final.prompt_logprobs),
         )
@@ -285,6 +292,7 @@ class OpenAIServingChat(OpenAIServing):
         stream: RequestStream,
         echo: str,
         parser: ToolParser | None,
+        details: bool = False,
     ) -> AsyncIterator[str]:
         opts = request.stream_options
         include_usage = bool(opts and opts.include_usage)
@@ -295,11 +303,15 @@ class OpenAIServingChat(OpenAIServing):
         thoughts = [ReasoningStreamer(thinks) for _ in range(request.n)]
         texts = [""] * request.n  # each choice's output so far (read by the tool parser)
         prompt_tokens = 0  # the engine's count (after truncation), from the first output
+        cached = None  # with `details`: the prompt's tokens served from the prefix cache
 
         def usage() -> UsageInfo:
             c = sum(completion_tokens)
             return UsageInfo(
-                prompt_tokens=prompt_tokens, completion_tokens=c, total_tokens=prompt_tokens + c
+                prompt_tokens=prompt_tokens,
+                completion_tokens=c,
+                total_tokens=prompt_tokens + c,
+                prompt_tokens_details=cached,
             )
 
         def chunk(choices: list[ChatChunkChoice], with_usage: bool, prompt_logprobs=None) -> str:
@@ -331,6 +343,7 @@ class OpenAIServingChat(OpenAIServing):
                 if first_output:  # the role chunks, once the prompt's token count is known
                     first_output = False
                     prompt_tokens = len(out.prompt_token_ids)
+                    cached = _details(out) if details else None
                     plp = await self.prompt_logprobs_async(out.prompt_logprobs)
                     for i in range(request.n):
                         role = DeltaMessage(role=self._role(request), content="")
@@ -427,6 +440,11 @@ def _message(
     return ChatResponseMessage(
         role=role, content=content, reasoning=reasoning, tool_calls=calls or None
     )
+
+
+def _details(out: RequestOutput) -> PromptTokensDetails:
+    """A usage's `prompt_tokens_details`: the prompt tokens served from the prefix cache."""
+    return PromptTokensDetails(cached_tokens=out.num_cached_tokens or 0)
 
 
 def _echo_text(request: ChatCompletionRequest) -> str:

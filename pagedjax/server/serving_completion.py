@@ -26,6 +26,7 @@ from pagedjax.server.protocol_responses import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionResponse,
+    PromptTokensDetails,
     UsageInfo,
 )
 from pagedjax.server.serving import (
@@ -141,8 +142,16 @@ class OpenAIServingCompletion(OpenAIServing):
                 prompt_tokens=prompt_tokens,
                 completion_tokens=completion_tokens,
                 total_tokens=prompt_tokens + completion_tokens,
+                prompt_tokens_details=self._details(results),
             ),
         )
+
+    def _details(self, results: list[RequestOutput]) -> PromptTokensDetails | None:
+        """With `--enable-prompt-tokens-details`: the prompt tokens served from the prefix
+        cache, over every prompt of the request."""
+        if not self.enable_prompt_tokens_details:
+            return None
+        return PromptTokensDetails(cached_tokens=sum(r.num_cached_tokens or 0 for r in results))
 
     def _logprobs(
         self,
@@ -202,6 +211,7 @@ class OpenAIServingCompletion(OpenAIServing):
         include_usage = bool(opts and opts.include_usage)
         continuous = bool(opts and opts.continuous_usage_stats)
         prompt_lens = [0] * len(prompts)  # the engine's counts, known from a prompt's output
+        firsts: list = [None] * len(prompts)  # each prompt's first output (its cached tokens)
         completion_tokens = [0] * (len(prompts) * n)
         echo_pending = [request.echo] * len(completion_tokens)
         prompt_lps: list = [None] * len(prompts)  # each prompt's, from its first output
@@ -210,7 +220,13 @@ class OpenAIServingCompletion(OpenAIServing):
 
         def usage() -> UsageInfo:
             p, c = sum(prompt_lens), sum(completion_tokens)
-            return UsageInfo(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
+            details = self._details([f for f in firsts if f is not None])
+            return UsageInfo(
+                prompt_tokens=p,
+                completion_tokens=c,
+                total_tokens=p + c,
+                prompt_tokens_details=details,
+            )
 
         def chunk(choices: list[CompletionChoice], with_usage: bool) -> str:
             body = CompletionResponse(
@@ -227,6 +243,7 @@ class OpenAIServingCompletion(OpenAIServing):
         try:
             async for i, out in merge_streams(streams):
                 prompt_lens[i] = len(out.prompt_token_ids)
+                firsts[i] = firsts[i] or out
                 if out.prompt_logprobs is not None and prompt_lps[i] is None:
                     prompt_lps[i] = await self.prompt_logprobs_async(out.prompt_logprobs)
                 for o in out.outputs:
