@@ -79,6 +79,7 @@ def test_a_text_reply_through_the_openai_client(tokenizer):
     raw = _post(app, RESPONSES, {"model": "stub", "input": "hi"}).json()
     Response.model_validate(raw, strict=False)
     assert raw["store"] is False and raw["max_output_tokens"] is None
+    assert raw["temperature"] is None and raw["top_p"] is None  # unset: the model's defaults
 
 
 def test_the_stream_accumulates_to_the_same_response(tokenizer):
