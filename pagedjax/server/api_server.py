@@ -112,8 +112,7 @@ def _is_json(content_type: str | None) -> bool:
 # what an unknown path's 404 says is there
 _ENDPOINTS = (
     "POST /v1/completions, POST /v1/chat/completions, POST /v1/responses, GET /v1/models, "
-    "POST /tokenize, "
-    "POST /detokenize, GET /health, GET /metrics, GET /version"
+    "POST /tokenize, POST /detokenize, GET /health, GET /metrics, GET /version"
 )
 
 
