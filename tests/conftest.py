@@ -221,6 +221,8 @@ def pytest_collection_finish(session):
     Under pytest-xdist every worker collects the same tests: the first to claim the queue
     runs it and publishes each report in a shared folder, where the others read it."""
     global _worker_root
+    if session.config.option.collectonly:
+        return  # nothing will run (else sessionfinish waits minutes for these runs)
     needed = [
         name
         for name in WORKER_RUNS
