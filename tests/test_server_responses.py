@@ -24,6 +24,7 @@ from tests.server_tools_stub import (
 )
 
 RESPONSES = "/v1/responses"
+JSON_OBJECT = {"format": {"type": "json_object"}}
 REPLY = "Paris is the capital."
 
 
@@ -79,7 +80,9 @@ def test_a_text_reply_through_the_openai_client(tokenizer):
     raw = _post(app, RESPONSES, {"model": "stub", "input": "hi"}).json()
     Response.model_validate(raw, strict=False)
     assert raw["store"] is False and raw["max_output_tokens"] is None
-    assert raw["temperature"] is None and raw["top_p"] is None  # unset: the model's defaults
+    assert raw["temperature"] == 1.0 and raw["top_p"] == 1.0  # unset: what the engine uses
+    named = _post(app, RESPONSES, {"input": "hi", "request_id": "resp_mine"}).json()
+    assert named["id"] == "resp_mine"  # vLLM's request_id
 
 
 def test_the_stream_accumulates_to_the_same_response(tokenizer):
@@ -123,7 +126,12 @@ def test_an_input_list_renders_messages_calls_and_call_outputs(tokenizer):
                 "role": "user",
                 "content": [{"type": "input_text", "text": "Oslo?"}],
             },
-            {"type": "reasoning", "id": "rs_1", "summary": []},
+            {  # an earlier response's reasoning item sent back: dropped
+                "type": "reasoning",
+                "id": "rs_1",
+                "summary": [],
+                "content": [{"type": "reasoning_text", "text": "SECRET THOUGHT"}],
+            },
             {
                 "type": "function_call",
                 "call_id": "call_1",
@@ -143,6 +151,7 @@ def test_an_input_list_renders_messages_calls_and_call_outputs(tokenizer):
         for s in ("Be brief.", "Oslo?", "<tool_call>", "<tool_response id=call_1>sunny")
     ]
     assert at == sorted(at), prompt
+    assert "SECRET THOUGHT" not in prompt
     assert '"name": "get_weather"' in prompt  # the tool, rendered by the template
 
 
@@ -261,8 +270,14 @@ def test_a_reply_cut_by_max_output_tokens_is_incomplete(tokenizer):
     assert resp["incomplete_details"] == {"reason": "max_output_tokens"}
     assert resp["output"][0]["status"] == "incomplete"
     events = _events(app, body)
-    assert events[-1]["type"] == "response.incomplete"
+    assert events[-1]["type"] == "response.completed"  # vLLM's last event, whatever the status
     assert events[-1]["response"]["status"] == "incomplete"
+
+    async def run(client):
+        async with client.responses.stream(model="stub", **body) as stream:
+            return await stream.get_final_response()
+
+    assert _client_run(app, run).status == "incomplete"
 
 
 @pytest.mark.parametrize(
@@ -270,6 +285,16 @@ def test_a_reply_cut_by_max_output_tokens_is_incomplete(tokenizer):
     [
         ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id", "store"),
         ({"input": "x", "background": True}, "background", "store"),
+        ({"input": "x", "conversation": "conv_1"}, "conversation", "store"),
+        ({"input": "x", "include": ["foo.bar"]}, "include.0", ""),
+        ({"input": [{"role": "robot", "content": "x"}]}, "input.0.message.role", "'user'"),
+        ({"input": "x", "tools": [{"type": "function", "name": "a b"}]}, "tools.0.name", "a b"),
+        ({"input": "x", "tool_choice": {"type": "function"}}, "tool_choice.name", "required"),
+        (
+            {"input": "x", "structured_outputs": {"regex": "a+"}, "text": JSON_OBJECT},
+            "structured_outputs",
+            "text.format and structured_outputs both",
+        ),
         ({"input": []}, "input", "no message"),
         ({"input": "x", "max_output_tokens": 0}, "max_output_tokens", ""),
         ({"input": "x", "tool_choice": "required"}, "tool_choice", "tools"),
@@ -290,6 +315,12 @@ def test_a_reply_cut_by_max_output_tokens_is_incomplete(tokenizer):
     ids=[
         "previous-response",
         "background",
+        "conversation",
+        "unknown-include",
+        "bad-role",
+        "bad-tool-name",
+        "choice-without-name",
+        "two-constraints",
         "empty-input",
         "max-output-0",
         "choice-no-tools",
@@ -331,3 +362,23 @@ def test_enable_prompt_tokens_details_on_chat_and_completions(tokenizer):
                     assert u["prompt_tokens_details"] == {"cached_tokens": cached}, path
                 else:
                     assert "prompt_tokens_details" not in u, path
+
+
+def test_vllm_sampling_extras_reach_the_engine(tokenizer):
+    engine, app = _app(tokenizer)
+    engine.reply = "123"
+    body = {
+        "input": "x",
+        "structured_outputs": {"regex": "[0-9]{3}"},
+        "min_tokens": 2,
+        "ignore_eos": True,
+        "logit_bias": {"5": 1.5},
+        "stop_token_ids": [9],
+    }
+    assert _post(app, RESPONSES, body).status_code == 200
+    params = engine.requests[-1][1]
+    assert params.structured_outputs.regex == "[0-9]{3}"
+    assert (params.min_tokens, params.ignore_eos, params.stop_token_ids) == (2, True, [9])
+    assert params.logit_bias == {5: 1.5}
+    _post(app, RESPONSES, {"input": "x", "guided_choice": ["a", "b"]})  # vLLM's older name
+    assert engine.requests[-1][1].structured_outputs.choice == ["a", "b"]

@@ -88,12 +88,34 @@ _ERRORS = {
 }
 
 
+# what pydantic puts in an error's location for the member of a union that failed
+_UNION_MEMBERS = {"str", "int", "float", "bool", "dict", "list", "none"}
+
+
+def _field_path(loc: tuple) -> list[str]:
+    """An error location as the client's field path: no "body", and none of the union
+    members pydantic names (`input.list[tagged-union[...]].0.role` -> `input.0.role`;
+    a model's class name: the API's fields are lower case)."""
+    return [
+        str(x)
+        for x in loc
+        if x != "body"
+        and not (isinstance(x, str) and ("[" in x or x in _UNION_MEMBERS or x[:1].isupper()))
+    ]
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """The 400's message (up to three errors) and `param` (the first error's field). Of a
+    union's errors, the deepest come first: the member that matched the value's shape
+    (a list for a list) says what is wrong in it."""
     parts, param = [], None
-    for e in exc.errors()[:3]:
-        if e.get("type") == "json_invalid":
-            return f"the body is not valid JSON: {e.get('ctx', {}).get('error', '')}", None
-        loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+    errors = exc.errors()
+    if any(e.get("type") == "json_invalid" for e in errors):
+        e = next(e for e in errors if e.get("type") == "json_invalid")
+        return f"the body is not valid JSON: {e.get('ctx', {}).get('error', '')}", None
+    errors = sorted(errors, key=lambda e: -len(_field_path(e.get("loc", ()))))
+    for e in errors[:3]:
+        loc = _field_path(e.get("loc", ()))
         where = ".".join(loc)
         param = param or (where or None)
         parts.append(f"{where}: {e.get('msg')}" if where else str(e.get("msg")))

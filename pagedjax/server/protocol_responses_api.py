@@ -10,9 +10,13 @@ for the extras (`top_k`, `min_p`, `repetition_penalty`, `seed`, `stop`, `priorit
 string or `input_text` / `output_text` parts; the `type` "message" may be left out),
 `function_call` items (the model's earlier calls, rendered as one assistant message's
 `tool_calls`) and `function_call_output` items (rendered as `tool` messages). `instructions`
-becomes a leading system message. Earlier `reasoning` items are dropped, as chat templates
-drop earlier thinking. Nothing is stored: `store` is accepted and reported false, and
-`previous_response_id` and `background` are refused with a 400.
+becomes a leading system message. Earlier `reasoning` items (an earlier response's output
+sent back) are accepted and dropped, as chat templates drop earlier thinking. Content parts
+that are not text (`input_image`, ...) are refused. Nothing is stored: `store` is accepted
+and reported false, and `previous_response_id`, `conversation` and `background` are refused
+with a 400. vLLM's sampling extras of the chat endpoint that this model does not declare
+(`structured_outputs`, `logit_bias`, `min_tokens`, `ignore_eos`, `stop_token_ids`, ...) are
+passed to the chat request as they are (`CHAT_EXTRAS`).
 """
 
 from __future__ import annotations
@@ -21,7 +25,13 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag, field_validator
 
-from pagedjax.server.protocol import ChatCompletionRequest, ChatMessage, ContentPart
+from pagedjax.server.protocol import (
+    LEGACY_GUIDED_FIELDS,
+    ChatCompletionRequest,
+    ChatMessage,
+    ContentPart,
+    SamplingRequest,
+)
 from pagedjax.server.protocol_base import OpenAIBaseModel
 from pagedjax.server.protocol_tools import (
     ChatCompletionTool,
@@ -37,6 +47,24 @@ from pagedjax.server.protocol_tools import (
 _INT64_MAX = 2**63 - 1
 # `include` values that change what comes back: the output text's token logprobs
 OUTPUT_LOGPROBS = "message.output_text.logprobs"
+# OpenAI's `include` values; the others name outputs of tools this server does not run
+Includable = Literal[
+    "message.output_text.logprobs",
+    "reasoning.encrypted_content",
+    "message.input_image.image_url",
+    "computer_call_output.output.image_url",
+    "code_interpreter_call.outputs",
+    "file_search_call.results",
+    "web_search_call.results",
+    "web_search_call.action.sources",
+]
+# unknown fields of a Responses request that go to the chat request as they are: vLLM's
+# sampling extras (`SamplingRequest`) that the Responses model does not declare, and
+# vLLM's older names of `structured_outputs`
+CHAT_EXTRAS = (
+    frozenset(SamplingRequest.model_fields)
+    - {"model", "n", "stream", "stream_options", "response_format", "user"}
+) | frozenset(LEGACY_GUIDED_FIELDS)
 
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
@@ -100,6 +128,8 @@ class FunctionTool(OpenAIBaseModel):
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
+    _name = field_validator("name")(FunctionDefinition._name.__func__)  # OpenAI's rule
+
 
 class FunctionToolChoice(OpenAIBaseModel):
     type: Literal["function"]
@@ -131,7 +161,7 @@ class ResponsesRequest(OpenAIBaseModel):
     temperature: float | None = Field(None, ge=0.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    include: list[str] | None = None
+    include: list[Includable] | None = None
     tools: list[FunctionTool] = Field(default_factory=list, max_length=1024)
     tool_choice: Literal["none", "auto", "required"] | FunctionToolChoice = "auto"
     parallel_tool_calls: bool = True
@@ -140,10 +170,13 @@ class ResponsesRequest(OpenAIBaseModel):
     store: bool = True
     background: bool = False
     previous_response_id: str | None = None
+    conversation: str | dict[str, Any] | None = None  # refused: nothing is stored
     metadata: dict[str, str] | None = None
     user: str | None = None
     truncation: Literal["auto", "disabled"] = "disabled"
-    # vLLM's extras
+    # vLLM's extras (and, read from the unknown fields, the chat request's sampling
+    # extras: `chat_extras`)
+    request_id: str | None = Field(None, description="The response's id (default: random).")
     top_k: int | None = Field(None, ge=-1, le=2**31 - 1)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, gt=0.0)
@@ -161,7 +194,9 @@ class ResponsesRequest(OpenAIBaseModel):
         """A part that is not text (`input_image`, `input_file`, `input_audio`) is refused
         by name, not as a mismatch of every item shape."""
         for item in value if isinstance(value, list) else ():
-            parts = item.get("content", item.get("output")) if isinstance(item, dict) else None
+            if not isinstance(item, dict) or item.get("type") == "reasoning":
+                continue  # (dropped: its reasoning_text parts are not rendered)
+            parts = item.get("content", item.get("output"))
             for part in parts if isinstance(parts, list) else ():
                 kind = part.get("type") if isinstance(part, dict) else None
                 if isinstance(kind, str) and kind not in _TEXT_PARTS:
@@ -170,6 +205,11 @@ class ResponsesRequest(OpenAIBaseModel):
                         f"serves text-only models (parts: {', '.join(_TEXT_PARTS)})"
                     )
         return value
+
+    def chat_extras(self) -> dict[str, Any]:
+        """The unknown fields that the chat request takes as they are (`CHAT_EXTRAS`:
+        `structured_outputs`, `logit_bias`, `min_tokens`, `ignore_eos`, ...)."""
+        return {k: v for k, v in (self.model_extra or {}).items() if k in CHAT_EXTRAS}
 
     @property
     def wants_logprobs(self) -> bool:
@@ -264,6 +304,7 @@ class ResponsesRequest(OpenAIBaseModel):
             cache_salt=self.cache_salt,
             chat_template_kwargs=self.chat_template_kwargs,
         )
+        fields.update(self.chat_extras())
         if self.stream:
             fields["stream_options"] = {"include_usage": True}
         return ChatCompletionRequest.model_validate(

@@ -21,7 +21,8 @@ A stream sends `event: <type>` / `data: <json>` pairs, each with its `sequence_n
 deltas (`response.output_text.delta`, `response.reasoning_text.delta`,
 `response.function_call_arguments.delta`, with `response.content_part.added` / `.done`
 around a message's text), their `.done` events and `response.output_item.done`; then
-`response.completed` (or `response.incomplete`) with the whole response. The deltas of each
+`response.completed` with the whole response, also when its status is "incomplete" (as vLLM
+ends it; OpenAI sends `response.incomplete` then). The deltas of each
 item concatenate to its text in that response. An engine failure mid-stream is an `error`
 event. Event shapes follow OpenAI's API reference ("Streaming events" of the Responses API).
 """
@@ -29,9 +30,10 @@ event. Event shapes follow OpenAI's API reference ("Streaming events" of the Res
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -40,6 +42,8 @@ from pydantic import ValidationError
 from pagedjax.server.protocol_responses_api import ResponsesRequest
 from pagedjax.server.serving_chat import OpenAIServingChat
 from pagedjax.server.serving_errors import APIError, bad_request
+
+logger = logging.getLogger(__name__)
 
 # chat completion field -> the Responses API field it came from (for error bodies)
 _PARAMS = {
@@ -69,7 +73,15 @@ class OpenAIServingResponses:
                 input with no message, or what the chat path refuses (its `param` renamed
                 to this API's field, e.g. `max_output_tokens`, `text.format`).
         """
-        self.chat.warn_ignored_fields(request)
+        ignored = sorted(set(request.model_extra or {}) - set(request.chat_extras()))
+        if ignored:
+            names = ", ".join(repr(k[:40]) for k in ignored[:10])
+            logger.warning("ignoring unknown request fields: %s", names)
+        if request.conversation is not None:
+            raise bad_request(
+                "this server does not store conversations; send the whole conversation in input",
+                "conversation",
+            )
         if request.previous_response_id is not None:
             raise bad_request(
                 "this server does not store responses, so previous_response_id cannot be "
@@ -94,7 +106,9 @@ class OpenAIServingResponses:
             result = await self.chat.create(chat_request, prompt_tokens_details=True)
         except APIError as e:
             raise _renamed(e) from e
-        head = _response_head(request, _id("resp"), self.chat.model_name(request.model))
+        response_id = request.request_id or _id("resp")
+        defaults = self.chat.default_sampling_fields
+        head = _response_head(request, response_id, self.chat.model_name(request.model), defaults)
         if not request.stream:
             return JSONResponse(_response(head, json.loads(result.body)))
         return StreamingResponse(
@@ -116,8 +130,12 @@ def _renamed(e: APIError) -> APIError:
     return APIError(e.status_code, message, type=info.type, param=param, code=info.code)
 
 
-def _response_head(request: ResponsesRequest, response_id: str, model: str) -> dict[str, Any]:
-    """The fields of the response object that echo the request (status still in progress)."""
+def _response_head(
+    request: ResponsesRequest, response_id: str, model: str, defaults: Mapping[str, Any]
+) -> dict[str, Any]:
+    """The fields of the response object that echo the request (status still in progress);
+    an unset temperature or top_p as the engine applies it (`defaults`: the model's
+    generation config, else 1.0)."""
     fmt = request.text.format.model_dump(by_alias=True, exclude_none=True)
     choice = request.tool_choice
     return {
@@ -137,16 +155,22 @@ def _response_head(request: ResponsesRequest, response_id: str, model: str) -> d
         "previous_response_id": None,
         "reasoning": None,
         "store": False,
-        "temperature": request.temperature,  # None: the model's default (generation config)
+        "temperature": _resolved(request.temperature, defaults, "temperature"),
         "text": {"format": fmt},
         "tool_choice": choice if isinstance(choice, str) else choice.model_dump(),
         "tools": [t.model_dump(exclude_none=True) for t in request.tools],
         "top_logprobs": request.top_logprobs or 0,
-        "top_p": request.top_p,
+        "top_p": _resolved(request.top_p, defaults, "top_p"),
         "truncation": request.truncation,
         "usage": None,
         "user": request.user,
     }
+
+
+def _resolved(value: float | None, defaults: Mapping[str, Any], name: str) -> float:
+    if value is not None:
+        return value
+    return float(defaults.get(name, 1.0))
 
 
 def _usage(chat_usage: dict[str, Any]) -> dict[str, Any]:
@@ -394,9 +418,11 @@ async def _events(head: dict, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
             messages[0]["content"][0]["logprobs"] += w.pending_logprobs
         for e in w.close():
             yield e
-        final = _finished(head, w.output, finish_reason, usage)
-        kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
-        yield w.event(kind, response=final)
+        # vLLM's last event, whatever the status (OpenAI sends response.incomplete for a cut
+        # reply, which the openai client's stream helper does not take as the end)
+        yield w.event(
+            "response.completed", response=_finished(head, w.output, finish_reason, usage)
+        )
     finally:
         aclose = getattr(chunks, "aclose", None)
         if aclose is not None:
