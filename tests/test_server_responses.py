@@ -374,11 +374,16 @@ def test_vllm_sampling_extras_reach_the_engine(tokenizer):
         "ignore_eos": True,
         "logit_bias": {"5": 1.5},
         "stop_token_ids": [9],
+        "top_k": 5,
+        "seed": 3,
     }
     assert _post(app, RESPONSES, body).status_code == 200
     params = engine.requests[-1][1]
     assert params.structured_outputs.regex == "[0-9]{3}"
     assert (params.min_tokens, params.ignore_eos, params.stop_token_ids) == (2, True, [9])
     assert params.logit_bias == {5: 1.5}
+    assert (params.top_k, params.seed) == (5, 3)
+    error = _error(_post(app, RESPONSES, {"input": "x", "top_k": "5"}))
+    assert error["param"] == "top_k"
     _post(app, RESPONSES, {"input": "x", "guided_choice": ["a", "b"]})  # vLLM's older name
     assert engine.requests[-1][1].structured_outputs.choice == ["a", "b"]

@@ -42,6 +42,7 @@ from pagedjax.server.protocol_tools import (
     NamedToolChoice,
     ResponseFormat,
     ToolCallIn,
+    check_function_name,
 )
 
 _INT64_MAX = 2**63 - 1
@@ -128,7 +129,7 @@ class FunctionTool(OpenAIBaseModel):
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
-    _name = field_validator("name")(FunctionDefinition._name.__func__)  # OpenAI's rule
+    _name = field_validator("name")(check_function_name)
 
 
 class FunctionToolChoice(OpenAIBaseModel):
@@ -174,18 +175,9 @@ class ResponsesRequest(OpenAIBaseModel):
     metadata: dict[str, str] | None = None
     user: str | None = None
     truncation: Literal["auto", "disabled"] = "disabled"
-    # vLLM's extras (and, read from the unknown fields, the chat request's sampling
-    # extras: `chat_extras`)
+    # vLLM's extras; its sampling extras (`top_k`, `seed`, `stop`, ...) are read from the
+    # unknown fields and validated by the chat request (`chat_extras`)
     request_id: str | None = Field(None, description="The response's id (default: random).")
-    top_k: int | None = Field(None, ge=-1, le=2**31 - 1)
-    min_p: float | None = Field(None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(None, gt=0.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    seed: int | None = Field(None, ge=-(2**63), le=_INT64_MAX)
-    stop: str | Annotated[list[str], Field(max_length=64)] | None = None
-    priority: int = Field(0, ge=-(2**63), le=_INT64_MAX)
-    cache_salt: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
     @field_validator("input", mode="before")
@@ -293,15 +285,6 @@ class ResponsesRequest(OpenAIBaseModel):
             parallel_tool_calls=self.parallel_tool_calls,
             response_format=response_format,
             stream=self.stream,
-            top_k=self.top_k,
-            min_p=self.min_p,
-            repetition_penalty=self.repetition_penalty,
-            frequency_penalty=self.frequency_penalty,
-            presence_penalty=self.presence_penalty,
-            seed=self.seed,
-            stop=self.stop,
-            priority=self.priority,
-            cache_salt=self.cache_salt,
             chat_template_kwargs=self.chat_template_kwargs,
         )
         fields.update(self.chat_extras())

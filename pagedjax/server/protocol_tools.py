@@ -70,6 +70,17 @@ class StructuredOutputsRequest(_In):
 # ----------------------------------------------------------------------- tools
 
 
+def check_function_name(v: str) -> str:
+    """OpenAI's rule for function names (a field validator of `name`).
+
+    Raises:
+        ValueError: a name that is not 1 to 64 of `A-Za-z0-9_-`.
+    """
+    if not _FUNCTION_NAME.match(v):
+        raise ValueError(f"function names are 1 to 64 letters, digits, '_' or '-', got {v[:80]!r}")
+    return v
+
+
 class FunctionDefinition(_In):
     """A callable function: its name (OpenAI's rule: 1-64 of `A-Za-z0-9_-`), what it does,
     and the JSON schema of its arguments (an object schema; none: no arguments)."""
@@ -79,14 +90,7 @@ class FunctionDefinition(_In):
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
-    @field_validator("name")
-    @classmethod
-    def _name(cls, v: str) -> str:
-        if not _FUNCTION_NAME.match(v):
-            raise ValueError(
-                f"function names are 1 to 64 letters, digits, '_' or '-', got {v[:80]!r}"
-            )
-        return v
+    _name = field_validator("name")(check_function_name)
 
 
 class ChatCompletionTool(_In):
