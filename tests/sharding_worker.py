@@ -15,7 +15,10 @@ import json
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+# 8 devices, on top of the flags inherited from the test process (conftest.TEST_XLA_FLAGS)
+os.environ["XLA_FLAGS"] = (
+    f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8"
+)
 sys.path.insert(0, os.path.dirname(__file__))
 
 from pathlib import Path  # noqa: E402

@@ -236,8 +236,10 @@ def test_small_top_k_equals_lax_top_k(n):
     vals = (np.round(rng.random((40, n)) * 4) / 4).astype(np.float32)
     vals[0] = 0.5  # all equal
     vals[1, ::2] = -np.inf
-    for k in range(1, min(n, SMALL_K) + 1):
-        got = jax.jit(top_k, static_argnums=1)(jnp.asarray(vals), k)
+    ks = range(1, min(n, SMALL_K) + 1)
+    # every k in one compiled function (one compilation per n, not per k)
+    got_all = jax.jit(lambda v: [top_k(v, k) for k in ks])(jnp.asarray(vals))
+    for k, got in zip(ks, got_all, strict=True):
         want = jax.lax.top_k(jnp.asarray(vals), k)
         assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1]), k
 

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+from conftest import TEST_XLA_FLAGS
 
 from pagedjax import SamplingParams
 
@@ -26,7 +27,8 @@ def _free_port() -> int:
 
 def test_two_processes_one_model(tiny_llama_dir, make_llm):
     port = _free_port()
-    env = dict(os.environ, PYTHONPATH=str(HERE.parent), XLA_FLAGS="")
+    # one device per process (no inherited device count), compiled as the suite compiles
+    env = dict(os.environ, PYTHONPATH=str(HERE.parent), XLA_FLAGS=TEST_XLA_FLAGS)
     procs = [
         subprocess.Popen(
             [
