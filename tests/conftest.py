@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -153,21 +154,34 @@ def compile_cache_dir(tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp("xla-cache"))
 
 
-def run_worker(folder, cache_dir, layouts: str, models: str) -> dict:
-    """tests/sharding_worker.py's report on 8 simulated CPU devices (a subprocess, because
-    XLA_FLAGS must be set before jax is imported): {model: {layout: ...}}."""
+def run_worker(folder, cache_dir, jobs: list, on_report, on_start=None) -> None:
+    """Runs tests/sharding_worker.py on 8 simulated CPU devices (a subprocess, because
+    XLA_FLAGS must be set before jax is imported) for `jobs`, [[name, [(layouts, models),
+    ...]], ...], in one process; calls on_report(name, {model: {layout: ...}}) as each job's
+    report arrives (and on_start(process) once it has started).
+
+    Raises:
+        RuntimeError: the worker ended before reporting every job (its output's tail).
+    """
     here = Path(__file__).parent
     env = dict(os.environ, PYTHONPATH=str(here.parent))
-    proc = subprocess.run(
-        [sys.executable, str(here / "sharding_worker.py"), str(folder), cache_dir, layouts, models],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=1500,
-    )
-    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("REPORT ")), None)
-    assert line is not None, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(line[len("REPORT ") :])
+    cmd = [sys.executable, str(here / "sharding_worker.py"), str(folder), cache_dir, "--jobs"]
+    with tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(
+            [*cmd, json.dumps(jobs)], stdout=subprocess.PIPE, stderr=err, text=True, env=env
+        )
+        if on_start is not None:
+            on_start(proc)
+        pending = [name for name, _ in jobs]
+        for line in proc.stdout:
+            if line.startswith("REPORT "):
+                name, _, report = line[len("REPORT ") :].partition(" ")
+                pending.remove(name)
+                on_report(name, json.loads(report))
+        proc.wait()
+        if pending:
+            err.seek(0)
+            raise RuntimeError(f"no report for {pending}:\n{err.read()[-3000:]}")
 
 
 # Device layouts of the 3-layer tiny Llama that test_sharding (tensor, data and pipeline
@@ -176,9 +190,9 @@ def run_worker(folder, cache_dir, layouts: str, models: str) -> dict:
 LLAMA3_LAYOUTS = "single,tp2,tp4,dp2,dp2-tp2,pp2,pp2-tp2,pp2-part12,int8,tp2-int8,pp2-int8"
 
 # The suite's runs of sharding_worker.py: session fixture name -> its (layouts, models) runs,
-# in the order the test files use them. A run is compile-bound on one or two cores; started in
-# the background as soon as collection shows a selected test needs it (one run at a time), it
-# overlaps the in-process tests, whose compilations leave a core idle much of the time.
+# in the order the test files use them. The runs are compile-bound on one or two cores; started
+# in the background as soon as collection shows a selected test needs them (all in one process,
+# one after another), they overlap the in-process tests.
 WORKER_RUNS = {
     # Mixtral (2 layers, 8 experts) under TP, EP, EP x PP, int8 under EP; a 3-layer
     # Qwen3-MoE (layer 1 dense) under EP and EP x PP, whose stages are uneven (0-1 and 2)
@@ -198,14 +212,8 @@ WORKER_RUNS = {
     "family_report": [("single,tp2,pp2", "qwen3,qwen2-swa,gemma3")],
 }
 _worker_runs: dict[str, concurrent.futures.Future] = {}
+_worker_proc: list[subprocess.Popen] = []  # the running sharding_worker.py, once started
 _worker_root: Path | None = None
-
-
-def _run_all(folder: Path, cache_dir: str, runs) -> dict:
-    report: dict = {}
-    for layouts, models in runs:
-        report.update(run_worker(folder, cache_dir, layouts, models))
-    return report
 
 
 def _shared_root() -> Path | None:
@@ -237,22 +245,31 @@ def pytest_unconfigure(config):
         shutil.rmtree(_run_root(uid), ignore_errors=True)
 
 
-def _run_and_publish(name: str, root: Path, shared: bool) -> dict:
-    """Runs `WORKER_RUNS[name]`; with `shared`, writes its report (or its error) where the
-    other xdist workers wait for it, and drops its folder once done."""
-    folder = root / name
-    try:
-        report = _run_all(folder, str(root / "xla-cache"), WORKER_RUNS[name])
-    except BaseException as e:
+def _run_and_publish(names: list[str], root: Path, shared: bool) -> None:
+    """Runs `WORKER_RUNS[name]` of each of `names` in one worker process, settling each
+    name's future in `_worker_runs` as its report arrives; with `shared`, also writes each
+    report (or the error) where the other xdist workers wait for it."""
+    folder = root / "models"
+
+    def publish(name: str, report: dict) -> None:
         if shared:
-            (root / f"{name}.error").write_text(f"{type(e).__name__}: {e}")
-        raise
-    if shared:
-        tmp = root / f".{name}.json"
-        tmp.write_text(json.dumps(report))
-        os.replace(tmp, root / f"{name}.json")
+            tmp = root / f".{name}.json"
+            tmp.write_text(json.dumps(report))
+            os.replace(tmp, root / f"{name}.json")
+        if _worker_runs[name].set_running_or_notify_cancel():  # else the session has ended
+            _worker_runs[name].set_result(report)
+
+    jobs = [[n, WORKER_RUNS[n]] for n in names]
+    try:
+        run_worker(folder, str(root / "xla-cache"), jobs, publish, _worker_proc.append)
+    except BaseException as e:
+        for name in names:
+            if _worker_runs[name].set_running_or_notify_cancel():
+                if shared:
+                    (root / f"{name}.error").write_text(f"{type(e).__name__}: {e}")
+                _worker_runs[name].set_exception(e)
+    finally:
         shutil.rmtree(folder, ignore_errors=True)
-    return report
 
 
 def pytest_collection_finish(session):
@@ -278,16 +295,22 @@ def pytest_collection_finish(session):
         _worker_root = shared
     else:
         _worker_root = Path(tempfile.mkdtemp(prefix="pagedjax-workers-"))
-    pool = concurrent.futures.ThreadPoolExecutor(1, "sharding-worker")
     for name in needed:
-        _worker_runs[name] = pool.submit(_run_and_publish, name, _worker_root, shared is not None)
-    pool.shutdown(wait=False)
+        _worker_runs[name] = concurrent.futures.Future()
+    threading.Thread(
+        target=_run_and_publish,
+        args=(needed, _worker_root, shared is not None),
+        name="sharding-worker",
+        daemon=True,
+    ).start()
 
 
 def pytest_sessionfinish(session, exitstatus):
     if _shared_root() is None:  # under xdist another worker may still wait for a report
         for fut in _worker_runs.values():
             fut.cancel()
+        if _worker_proc:
+            _worker_proc[0].kill()
     if _worker_root is not None:
         concurrent.futures.wait(list(_worker_runs.values()))
         if _shared_root() is None:  # else the other worker may still use the cache in it
@@ -299,7 +322,7 @@ def worker_report(name: str) -> dict:
     under pytest-xdist, in the worker that claimed the queue)."""
     fut = _worker_runs.get(name)
     if fut is not None:
-        return fut.result()
+        return fut.result(timeout=3000)
     shared = _shared_root()
     if shared is not None and (shared / "queue.claim").exists():
         for _ in range(3000):
@@ -311,7 +334,14 @@ def worker_report(name: str) -> dict:
         raise TimeoutError(f"{name}: no report from the worker that claimed the queue")
     # collection did not see the fixture (not expected): run it now
     folder = Path(tempfile.mkdtemp(prefix="pagedjax-worker-"))
-    return _run_all(folder, str(folder / "xla-cache"), WORKER_RUNS[name])
+    reports: dict = {}
+    try:
+        run_worker(
+            folder, str(folder / "xla-cache"), [[name, WORKER_RUNS[name]]], reports.__setitem__
+        )
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    return reports[name]
 
 
 @pytest.fixture(scope="session")

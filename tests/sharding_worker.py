@@ -1,13 +1,16 @@
 """Runs tiny models under several device layouts on 8 simulated CPU devices and prints a JSON
-report (greedy outputs, per-device shard shapes). Started by `conftest.run_worker` in a
-subprocess, because XLA_FLAGS must be set before jax is imported.
+report (greedy outputs, per-device shard shapes). Started by conftest in a subprocess,
+because XLA_FLAGS must be set before jax is imported.
 
 Usage: sharding_worker.py FOLDER CACHE_DIR LAYOUTS [MODELS]: each of the comma-separated
 MODELS (keys of `MODELS`, default "llama") is written to FOLDER/<model> and run under each of
 the comma-separated LAYOUTS (or under its own, "model=layout+layout"); the report is
 {model: {layout: ...}}, and for a model with a sliding window also {model: {"hf": HF's
 greedy tokens, "hf_full": the same weights' without the window}}. The model "smollm2" is
-the real default model (not written)."""
+the real default model (not written).
+
+sharding_worker.py FOLDER CACHE_DIR --jobs JSON: the suite's runs in one process, JSON a
+list of [name, [[LAYOUTS, MODELS], ...]]; prints "REPORT <name> <report>" as each ends."""
 
 from __future__ import annotations
 
@@ -214,7 +217,9 @@ def run_model(folder: Path, cache_dir: str, layouts: list[str], prompts) -> dict
     return report
 
 
-def main(folder: str, cache_dir: str, layouts: list[str], models: list[str]) -> None:
+def run_models(folder: str, cache_dir: str, layouts: list[str], models: list[str]) -> dict:
+    """{model: {layout: ...}} of each model spec ("name" or "name=layout+layout") of `models`
+    under `layouts` (or its own); checkpoints are written to FOLDER/<name> once."""
     import conftest
 
     rng = np.random.default_rng(0)
@@ -234,13 +239,31 @@ def main(folder: str, cache_dir: str, layouts: list[str], models: list[str]) -> 
         report[model] = run_model(model_dir, cache_dir, own.split("+") if own else layouts, prompts)
         if (MODELS[model] or {}).get("sliding_window"):
             report[model].update(hf_window_report(model_dir, prompts))
-    print("REPORT " + json.dumps(report))
+    return report
+
+
+def run_jobs(folder: str, cache_dir: str, jobs: list) -> None:
+    """Each job [name, [[layouts, models], ...]] in turn, in this one process (its start-up,
+    ~10 s of imports, paid once): prints "REPORT <name> <json>" as each job ends."""
+    for name, runs in jobs:
+        report: dict = {}
+        for layouts, models in runs:
+            report.update(
+                run_models(
+                    folder, cache_dir, layouts.split(",") if layouts else [], models.split(",")
+                )
+            )
+        print(f"REPORT {name} {json.dumps(report)}", flush=True)
 
 
 if __name__ == "__main__":
-    main(
-        sys.argv[1],
-        sys.argv[2],
-        sys.argv[3].split(","),
-        sys.argv[4].split(",") if len(sys.argv) > 4 else ["llama"],
-    )
+    if sys.argv[3] == "--jobs":
+        run_jobs(sys.argv[1], sys.argv[2], json.loads(sys.argv[4]))
+    else:
+        report = run_models(
+            sys.argv[1],
+            sys.argv[2],
+            sys.argv[3].split(","),
+            sys.argv[4].split(",") if len(sys.argv) > 4 else ["llama"],
+        )
+        print("REPORT " + json.dumps(report))
