@@ -154,6 +154,9 @@ def compile_cache_dir(tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp("xla-cache"))
 
 
+WORKER_TIMEOUT_S = 2400  # all jobs: ~6 minutes alone on 2 cores, ~10 beside the tests
+
+
 def run_worker(folder, cache_dir, jobs: list, on_report, on_start=None) -> None:
     """Runs tests/sharding_worker.py on 8 simulated CPU devices (a subprocess, because
     XLA_FLAGS must be set before jax is imported) for `jobs`, [[name, [(layouts, models),
@@ -161,7 +164,8 @@ def run_worker(folder, cache_dir, jobs: list, on_report, on_start=None) -> None:
     report arrives (and on_start(process) once it has started).
 
     Raises:
-        RuntimeError: the worker ended before reporting every job (its output's tail).
+        RuntimeError: the worker ended, or was killed after WORKER_TIMEOUT_S, before
+            reporting every job (its output's tail).
     """
     here = Path(__file__).parent
     env = dict(os.environ, PYTHONPATH=str(here.parent))
@@ -172,13 +176,19 @@ def run_worker(folder, cache_dir, jobs: list, on_report, on_start=None) -> None:
         )
         if on_start is not None:
             on_start(proc)
+        watchdog = threading.Timer(WORKER_TIMEOUT_S, proc.kill)  # a hung worker: its jobs fail
+        watchdog.daemon = True
+        watchdog.start()
         pending = [name for name, _ in jobs]
-        for line in proc.stdout:
-            if line.startswith("REPORT "):
-                name, _, report = line[len("REPORT ") :].partition(" ")
-                pending.remove(name)
-                on_report(name, json.loads(report))
-        proc.wait()
+        try:
+            for line in proc.stdout:
+                if line.startswith("REPORT "):
+                    name, _, report = line[len("REPORT ") :].partition(" ")
+                    pending.remove(name)
+                    on_report(name, json.loads(report))
+            proc.wait()
+        finally:
+            watchdog.cancel()
         if pending:
             err.seek(0)
             raise RuntimeError(f"no report for {pending}:\n{err.read()[-3000:]}")
