@@ -169,7 +169,7 @@ def run_worker(folder, cache_dir, jobs: list, on_report, on_start=None) -> None:
     """
     here = Path(__file__).parent
     env = dict(os.environ, PYTHONPATH=str(here.parent))
-    cmd = [sys.executable, str(here / "sharding_worker.py"), str(folder), cache_dir, "--jobs"]
+    cmd = [sys.executable, str(here / "sharding_worker.py"), str(folder), cache_dir]
     with tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen(
             [*cmd, json.dumps(jobs)], stdout=subprocess.PIPE, stderr=err, text=True, env=env

@@ -2,15 +2,14 @@
 report (greedy outputs, per-device shard shapes). Started by conftest in a subprocess,
 because XLA_FLAGS must be set before jax is imported.
 
-Usage: sharding_worker.py FOLDER CACHE_DIR LAYOUTS [MODELS]: each of the comma-separated
-MODELS (keys of `MODELS`, default "llama") is written to FOLDER/<model> and run under each of
-the comma-separated LAYOUTS (or under its own, "model=layout+layout"); the report is
-{model: {layout: ...}}, and for a model with a sliding window also {model: {"hf": HF's
-greedy tokens, "hf_full": the same weights' without the window}}. The model "smollm2" is
-the real default model (not written).
-
-sharding_worker.py FOLDER CACHE_DIR --jobs JSON: the suite's runs in one process, JSON a
-list of [name, [[LAYOUTS, MODELS], ...]]; prints "REPORT <name> <report>" as each ends."""
+Usage: sharding_worker.py FOLDER CACHE_DIR JOBS: JOBS is a JSON list of [name, [[LAYOUTS,
+MODELS], ...]], run one after another in this one process (its ~10 s of start-up paid once).
+For each [LAYOUTS, MODELS], each of the comma-separated MODELS (keys of `MODELS`) is written
+to FOLDER/<model> and run under each of the comma-separated LAYOUTS (or under its own,
+"model=layout+layout"). As each job ends the worker prints "REPORT <name> <json>", the json
+{model: {layout: ...}}, and for a model with a sliding window also {model: {"hf": HF's greedy
+tokens, "hf_full": the same weights' without the window}}. The model "smollm2" is the real
+default model (not written)."""
 
 from __future__ import annotations
 
@@ -243,8 +242,8 @@ def run_models(folder: str, cache_dir: str, layouts: list[str], models: list[str
 
 
 def run_jobs(folder: str, cache_dir: str, jobs: list) -> None:
-    """Each job [name, [[layouts, models], ...]] in turn, in this one process (its start-up,
-    ~10 s of imports, paid once): prints "REPORT <name> <json>" as each job ends."""
+    """Each job [name, [[layouts, models], ...]] in turn: prints "REPORT <name> <json>" as
+    each job ends."""
     for name, runs in jobs:
         report: dict = {}
         for layouts, models in runs:
@@ -257,13 +256,4 @@ def run_jobs(folder: str, cache_dir: str, jobs: list) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[3] == "--jobs":
-        run_jobs(sys.argv[1], sys.argv[2], json.loads(sys.argv[4]))
-    else:
-        report = run_models(
-            sys.argv[1],
-            sys.argv[2],
-            sys.argv[3].split(","),
-            sys.argv[4].split(",") if len(sys.argv) > 4 else ["llama"],
-        )
-        print("REPORT " + json.dumps(report))
+    run_jobs(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]))
