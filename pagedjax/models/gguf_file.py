@@ -53,6 +53,7 @@ import numpy as np
 
 from pagedjax.models import registry
 from pagedjax.models.arch_config import DecoderArchConfig
+from pagedjax.models.gguf_index import open_gguf
 from pagedjax.models.hf_checkpoint import split_fused
 from pagedjax.models.stacking import StackedParams
 from pagedjax.ops.gguf_quant import GGUF_FORMATS, GGUFWeight
@@ -119,13 +120,15 @@ _UNSUPPORTED_TENSORS = {
 
 
 def gguf_reader(path: str):
-    """The `gguf.GGUFReader` of a file, parsed once per process while the file is unchanged
-    (same path, inode, size and modification time).
+    """The file's metadata fields and tensors (`fields.get(key)`, `tensors`), opened once per
+    process while the file is unchanged (same path, inode, size and modification time).
 
-    The reader parses every metadata field in Python when it opens the file (the default
-    model's 49,152 tokens and 48,900 merges: ~2.5 s on these machines), and a load reads the
-    file twice (its architecture, then its tensors); engines built in one process from one
-    file share the parse. The reader maps the file read-only; callers copy what they keep.
+    `gguf.GGUFReader` parses every metadata field in Python when it opens the file (the default
+    model's 49,152 tokens and 48,900 merges: ~3.4 s on these machines), and a load reads the
+    file twice (its architecture, then its tensors): engines built in one process from one
+    file share the open, and processes after the first read the file's index from the cache
+    directory instead of parsing it (`gguf_index`: a `GGUFIndex`, with the reader's
+    interface). The file is mapped read-only; callers copy what they keep.
     """
     st = os.stat(path)
     return _open_reader(os.path.realpath(path), st.st_ino, st.st_size, st.st_mtime_ns)
@@ -133,9 +136,7 @@ def gguf_reader(path: str):
 
 @functools.lru_cache(maxsize=4)
 def _open_reader(path: str, inode: int, size: int, mtime_ns: int):
-    import gguf
-
-    return gguf.GGUFReader(path, "r")
+    return open_gguf(path)
 
 
 def _field(reader, key: str, default=None):
