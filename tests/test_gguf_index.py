@@ -15,8 +15,11 @@ from pagedjax.models.gguf_file import gguf_arch_config
 
 @pytest.fixture
 def cache_dir(tmp_path, monkeypatch):
+    """A cache folder of the test's own, and every file indexed (the tiny files written here
+    have no tokenizer arrays, which a file needs for an index otherwise)."""
     folder = tmp_path / "cache"
     monkeypatch.setenv("PAGEDJAX_CACHE_DIR", str(folder))
+    monkeypatch.setattr(gguf_index, "INDEX_MIN_ELEMENTS", 0)
     return folder
 
 
@@ -120,10 +123,21 @@ def test_a_changed_file_and_an_unreadable_index_are_parsed_afresh(
     assert isinstance(gguf_index.open_gguf(str(path)), gguf_index.GGUFIndex)
 
 
+def test_a_file_with_short_metadata_arrays_gets_no_index(tmp_path, monkeypatch, tiny_llama_dir):
+    """Below INDEX_MIN_ELEMENTS array elements the parse is quick: no index is written (the
+    tiny files that tests write leave nothing in the cache folder)."""
+    monkeypatch.setenv("PAGEDJAX_CACHE_DIR", str(tmp_path / "cache"))
+    path = str(write_gguf(tmp_path / "m.gguf", tiny_llama_dir))
+    for _ in range(2):
+        assert isinstance(gguf_index.open_gguf(path), gguf.GGUFReader)
+    assert not gguf_index.index_path(path).exists()
+
+
 def test_an_unwritable_cache_directory_only_costs_the_parse(tmp_path, monkeypatch, tiny_llama_dir):
     blocker = tmp_path / "not-a-folder"
     blocker.write_text("")
     monkeypatch.setenv("PAGEDJAX_CACHE_DIR", str(blocker))
+    monkeypatch.setattr(gguf_index, "INDEX_MIN_ELEMENTS", 0)
     path = str(write_gguf(tmp_path / "m.gguf", tiny_llama_dir))
     for _ in range(2):
         opened = gguf_index.open_gguf(path)

@@ -9,7 +9,9 @@ of a file parses it with `GGUFReader` and writes those as JSON under the cache d
 (`paths.cache_root()` / "gguf-index", named by the file's real path, inode, size and
 modification time, this module's `INDEX_VERSION` and the `gguf` package's version); later
 opens read the JSON and map the file, and give each tensor's bytes as the same numpy view
-(dtype, shape, offset) that `GGUFReader` gave when the index was written. A field left out
+(dtype, shape, offset) that `GGUFReader` gave when the index was written. A file whose
+metadata arrays are short (fewer than `INDEX_MIN_ELEMENTS` elements in all) parses in
+milliseconds and gets no index. A field left out
 of the index (an array of more than `MAX_ARRAY` elements, or a value JSON cannot hold) is
 read through a full `GGUFReader`, opened on first need. An index that cannot be read (a
 partial or foreign file) is rebuilt; a cache directory that cannot be written only costs the
@@ -39,6 +41,9 @@ logger = logging.getLogger(__name__)
 
 INDEX_VERSION = 1  # bump when the index's layout or meaning changes
 MAX_ARRAY = 64  # array fields longer than this stay out of the index (read on demand)
+# Files whose metadata arrays hold fewer elements than this in all parse in milliseconds and
+# get no index (a file written by a test, a model without a tokenizer in it).
+INDEX_MIN_ELEMENTS = 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,9 +189,19 @@ def open_gguf(path: str):
     import gguf
 
     reader = gguf.GGUFReader(path, "r")
-    with contextlib.suppress(OSError):
-        _write_atomically(where, json.dumps(index_of(reader)))
+    if _array_elements(reader) >= INDEX_MIN_ELEMENTS:
+        with contextlib.suppress(OSError):
+            _write_atomically(where, json.dumps(index_of(reader)))
     return reader
+
+
+def _array_elements(reader) -> int:
+    """The elements of the reader's array fields, in all (what its parse's time grows with)."""
+    from gguf import GGUFValueType
+
+    return sum(
+        len(f.data) for f in reader.fields.values() if f.types and f.types[0] == GGUFValueType.ARRAY
+    )
 
 
 def _write_atomically(where: Path, text: str) -> None:
