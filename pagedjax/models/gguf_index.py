@@ -9,13 +9,12 @@ of a file parses it with `GGUFReader` and writes those as JSON under the cache d
 (`paths.cache_root()` / "gguf-index", named by the file's real path, inode, size and
 modification time, this module's `INDEX_VERSION` and the `gguf` package's version); later
 opens read the JSON and map the file, and give each tensor's bytes as the same numpy view
-(dtype, shape, offset) that `GGUFReader` gave when the index was written. A file whose
-metadata arrays are short (fewer than `INDEX_MIN_ELEMENTS` elements in all) parses in
-milliseconds and gets no index. A field left out
+(dtype, shape, offset) that `GGUFReader` gave when the index was written. A field left out
 of the index (an array of more than `MAX_ARRAY` elements, or a value JSON cannot hold) is
-read through a full `GGUFReader`, opened on first need. An index that cannot be read (a
-partial or foreign file) is rebuilt; a cache directory that cannot be written only costs the
-parse.
+read through a full `GGUFReader`, opened on first need. A file whose metadata arrays are
+short (fewer than `INDEX_MIN_ELEMENTS` elements in all) parses in milliseconds and gets no
+index. An index that cannot be read (a partial or foreign file) is rebuilt; a cache
+directory that cannot be written only costs the parse.
 """
 
 from __future__ import annotations
