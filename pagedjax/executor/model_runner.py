@@ -289,7 +289,12 @@ class ModelRunner:
         if eager:
             logger.info("enforce_eager: step buckets %s compile at their first steps", buckets)
         else:
-            logger.info("compiled %d step buckets %s in %.1f s", len(buckets), buckets, seconds)
+            logger.info(
+                "%d step buckets %s ready in %.1f s (compiled, or read from the compilation cache)",
+                len(buckets),
+                buckets,
+                seconds,
+            )
         return seconds
 
     # ----------------------------------------------------------------- requests
