@@ -6,15 +6,15 @@ EPYC (Zen 3), and every process that loads the file paid it (each engine start, 
 `pagedjax serve`). A load reads only the small fields (the architecture's hyper-parameters,
 token ids) and the tensor table (name, dims, format, where the bytes are). So the first open
 of a file parses it with `GGUFReader` and writes those as JSON under the cache directory
-(`paths.cache_root()` / "gguf-index", named by the file's real path, inode, size and
-modification time, this module's `INDEX_VERSION` and the `gguf` package's version); later
-opens read the JSON and map the file, and give each tensor's bytes as the same numpy view
-(dtype, shape, offset) that `GGUFReader` gave when the index was written. A field left out
-of the index (an array of more than `MAX_ARRAY` elements, or a value JSON cannot hold) is
-read through a full `GGUFReader`, opened on first need. A file whose metadata arrays are
-short (fewer than `INDEX_MIN_ELEMENTS` elements in all) parses in milliseconds and gets no
-index. An index that cannot be read (a partial or foreign file) is rebuilt; a cache
-directory that cannot be written only costs the parse.
+(`paths.cache_root()` / "gguf-index", named by `paths.file_fingerprint`: the file's real
+path, size and modification time, this module's `INDEX_VERSION` and the `gguf` package's
+version); later opens read the JSON and map the file, and give each tensor's bytes as the
+same numpy view (dtype, shape, offset) that `GGUFReader` gave when the index was written. A
+field left out of the index (an array of more than `MAX_ARRAY` elements, or a value JSON
+cannot hold) is read through a full `GGUFReader`, opened on first need. A file whose
+metadata arrays are short (fewer than `INDEX_MIN_ELEMENTS` elements in all) parses in
+milliseconds and gets no index. An index that cannot be read (a partial or foreign file) is
+rebuilt; a cache directory that cannot be written only costs the parse.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import hashlib
 import json
 import logging
 import math
@@ -34,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from pagedjax.paths import cache_root
+from pagedjax.paths import cache_root, file_fingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -157,11 +156,8 @@ def index_of(reader) -> dict:
 
 def index_path(path: str) -> Path:
     """Where the index of the GGUF file at `path` is kept (see the module docstring)."""
-    real = os.path.realpath(path)
-    st = os.stat(real)
-    key = f"{real}|{st.st_ino}|{st.st_size}|{st.st_mtime_ns}|v{INDEX_VERSION}|{_gguf_version()}"
-    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    return cache_root() / "gguf-index" / f"{Path(real).stem}-{digest}.json"
+    digest = file_fingerprint(path, f"index-v{INDEX_VERSION}", f"gguf-{_gguf_version()}")
+    return cache_root() / "gguf-index" / f"{Path(os.path.realpath(path)).stem}-{digest}.json"
 
 
 @functools.cache

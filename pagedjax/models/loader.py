@@ -30,10 +30,8 @@ quantized params too, so that quantizing on load happens once.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -63,7 +61,7 @@ from pagedjax.models.stacking import StackedParams
 from pagedjax.models.tokenizer import load_tokenizer
 from pagedjax.ops import quant
 from pagedjax.ops.gguf_quant import GGUFWeight
-from pagedjax.paths import cache_root
+from pagedjax.paths import cache_root, file_fingerprint
 
 __all__ = [
     "DEFAULT_MODEL_NAME",
@@ -225,9 +223,7 @@ def load_params(
 
 
 def _file_fingerprint(path: str) -> str:
-    st = os.stat(path)
-    key = f"{os.path.realpath(path)}|{st.st_size}|{st.st_mtime_ns}|v{_CONVERSION_VERSION}"
-    return hashlib.sha256(key.encode()).hexdigest()[:16]
+    return file_fingerprint(path, f"v{_CONVERSION_VERSION}")
 
 
 def gguf_tokenizer(source: ModelSource, download_dir: str | None = None):
