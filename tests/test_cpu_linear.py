@@ -5,7 +5,6 @@ tests/test_model.py checks against Hugging Face) and `linear_backend`'s resoluti
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -301,21 +300,6 @@ def test_thread_limit_reaches_the_libraries_and_keeps_the_bits(thread_cap, tiny_
         np.testing.assert_array_equal(_step(packed, cfg, "cpu", T, lower=False), want)
     thread_cap(0)
     assert cpu_kernels.library_thread_limits() == dict.fromkeys(isas, 0)
-
-
-def test_leave_cores_sums_what_its_owners_ask(thread_cap):
-    """Two engines in one process (data-parallel replicas) each leaving a core: the cap counts
-    both, and lifts only when neither asks any more."""
-    cores = len(os.sched_getaffinity(0))
-    a, b = object(), object()
-    cpu_kernels.leave_cores(1, owner=a)
-    assert cpu_kernels.thread_limit() == max(cores - 1, 1)
-    cpu_kernels.leave_cores(1, owner=b)
-    assert cpu_kernels.thread_limit() == max(cores - 2, 1)
-    cpu_kernels.leave_cores(0, owner=a)
-    assert cpu_kernels.thread_limit() == max(cores - 1, 1)
-    cpu_kernels.leave_cores(0, owner=b)
-    assert cpu_kernels.thread_limit() == 0
 
 
 def test_linear_gives_the_same_layer_for_every_weight_kind():

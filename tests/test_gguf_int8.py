@@ -96,7 +96,7 @@ def test_large_int8_steps_of_a_native_stack(fmt):
 @pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0"])
 def test_gguf_kernels_give_the_same_bits_capped_at_one_thread(fmt):
     """Both GGUF kernels (float32 and int8 activations) at decode and prefill sizes, capped at
-    one thread (`cpu_kernels.set_thread_limit`, as while a grammar compiles) and not: their
+    one thread (`cpu_kernels.set_thread_limit`) and not: their
     work items, planned for the thread count, split output rows only, so every bit is kept."""
     rng = np.random.default_rng(41)
     # 512 rows: 2 threads plan items of 32 rows (int8), 1 thread of 64

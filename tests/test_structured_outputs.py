@@ -12,7 +12,6 @@ import json
 import os
 import re
 import threading
-import time
 
 import jsonschema_rs
 import llguidance as llg
@@ -25,6 +24,7 @@ from pagedjax import SamplingParams
 from pagedjax.errors import InvalidInputError
 from pagedjax.executor.model_runner import compile_count
 from pagedjax.sampling_params import StructuredOutputsParams as SO
+from pagedjax.structured_output import compilation
 from pagedjax.structured_output import grammar as grammar_mod
 from pagedjax.structured_output import manager as manager_mod
 
@@ -327,21 +327,29 @@ def test_late_compile_error_ends_only_that_request(llm, hf_greedy_cache):
 
 
 def test_llguidance_tokenizer_is_built_at_start_up(make_llm, tiny_llama_dir, monkeypatch):
-    """The llguidance tokenizer (whose conversion holds the GIL) is built once, on the pool,
-    when the engine starts: a first constrained request then builds nothing on its way in.
+    """The llguidance tokenizer (whose conversion holds the GIL) is built once, on the
+    normal-priority compile thread (not the idle class), when the engine starts: a first
+    constrained request then builds nothing on its way in.
     (Before, the first constrained request started it, stalling the running streams.)"""
     from pagedjax.structured_output import manager as manager_mod
 
-    built = []
+    built, where = [], []
     real = manager_mod.StructuredOutputManager._build_tokenizer
-    monkeypatch.setattr(
-        manager_mod.StructuredOutputManager,
-        "_build_tokenizer",
-        lambda self: built.append(1) or real(self),
-    )
+
+    def build(self):
+        built.append(1)
+        if hasattr(os, "SCHED_IDLE"):
+            tid = threading.get_native_id()
+            where.append((os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, tid)))
+        return real(self)
+
+    monkeypatch.setattr(manager_mod.StructuredOutputManager, "_build_tokenizer", build)
     llm = make_llm(tiny_llama_dir, block_size=4)
     mgr = llm.llm_engine.structured_output
     assert mgr._tokenizer.result(timeout=30) is not None and built == [1]
+    if hasattr(os, "SCHED_IDLE"):  # not in the idle class: it holds the GIL throughout
+        nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        assert where == [(os.SCHED_OTHER, min(nice + compilation.WORKER_NICENESS, 19))]
     sp = SamplingParams(temperature=0, max_tokens=4, structured_outputs=SO(regex="a[0-9]{2}"))
     (out,) = llm.generate([{"prompt_token_ids": [20, 21]}], sp, use_tqdm=False)
     assert re.fullmatch("a[0-9]{2}", out.outputs[0].text) and built == [1]
@@ -399,21 +407,18 @@ def test_slow_grammar_waits_alone(llm, monkeypatch):
     assert _metric(metrics, "pagedjax:grammar_bitmask_seconds_count") == 8
 
 
-def test_kernels_leave_a_core_to_a_compiling_grammar(llm, monkeypatch):
-    """While a grammar compiles (held here), the native kernels' steps run on one core fewer
-    (at least one) and a running request's logprobs keep every bit; when the compile ends, the
-    cap is lifted."""
-    from pagedjax.ops import cpu_kernels
-
-    eng = llm.llm_engine
-    mc = eng.config.model_config
-    assert "cpu" in (mc.attention_backend, mc.linear_backend)
-    cores = len(os.sched_getaffinity(0))
-    started, release = threading.Event(), threading.Event()
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux scheduling classes")
+def test_grammars_compile_in_the_idle_class_while_steps_run(llm, monkeypatch):
+    """While another request runs, a grammar compiles (held here) on a thread of Linux's idle
+    class, so that it takes only CPU time the steps leave, and is not expedited before
+    EXPEDITE_AFTER_S; released, the constrained request runs to its grammar. (Before, the
+    compile ran at normal priority, nice + 10.)"""
+    seen, started, release = [], threading.Event(), threading.Event()
     real = manager_mod.llg.LLMatcher
 
-    class Held:  # LLMatcher, whose construction (the compile) waits for `release`
+    class Held:  # LLMatcher, recording the scheduling class of the thread that builds one
         def __call__(self, *args, **kw):
+            seen.append(os.sched_getscheduler(0))
             started.set()
             assert release.wait(30)
             return real(*args, **kw)
@@ -422,57 +427,25 @@ def test_kernels_leave_a_core_to_a_compiling_grammar(llm, monkeypatch):
             return getattr(real, name)
 
     monkeypatch.setattr(manager_mod.llg, "LLMatcher", Held())
-    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=5)
-
-    def logprobs(out) -> list:
-        return [{t: lp.logprob for t, lp in pos.items()} for pos in out.outputs[0].logprobs]
-
-    assert cpu_kernels.thread_limit() == 0
+    eng = llm.llm_engine
+    busy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    eng.add_request("busy", {"prompt_token_ids": [30, 31, 32]}, busy)
+    so = SO(regex="idle-[0-9]{2}")
+    sp = SamplingParams(temperature=0, max_tokens=20, structured_outputs=so)
+    eng.add_request("held", {"prompt_token_ids": [33, 34]}, sp)
     done = {}
-    eng.add_request("alone", {"prompt_token_ids": [30, 31, 32]}, params)
+    try:
+        assert started.wait(30)
+        for _ in range(3):
+            done.update({o.request_id: o for o in eng.step() if o.finished})
+        held = eng.scheduler.requests["held"].structured_output
+        assert seen == [os.SCHED_IDLE] and not held.compilation.expedited
+    finally:
+        release.set()
     while eng.has_unfinished_requests():
         done.update({o.request_id: o for o in eng.step() if o.finished})
-    eng.add_request("beside", {"prompt_token_ids": [30, 31, 32]}, params)
-    so = SO(regex="held-[0-9]{2}")
-    eng.add_request(
-        "held", {"prompt_token_ids": [33, 34]}, SamplingParams(max_tokens=20, structured_outputs=so)
-    )
-    assert started.wait(30)
-    limits = []
-    for _ in range(5):
-        done.update({o.request_id: o for o in eng.step() if o.finished})
-        limits.append(cpu_kernels.thread_limit())
-    assert limits == [max(cores - 1, 1)] * 5
-    release.set()
-    while eng.has_unfinished_requests():
-        done.update({o.request_id: o for o in eng.step() if o.finished})
-    assert cpu_kernels.thread_limit() == 0
-    assert cpu_kernels.library_thread_limits()[cpu_kernels.default_isa()] == 0
-    assert logprobs(done["beside"]) == logprobs(done["alone"])
-    assert re.fullmatch("held-[0-9]{2}", done["held"].outputs[0].text)
+    assert re.fullmatch("idle-[0-9]{2}", done["held"].outputs[0].text)
     _assert_pool_whole(llm)
-
-
-def test_a_compile_is_uncounted_before_its_grammar_is_ready(llm, monkeypatch):
-    """The manager reports a grammar as compiling from its submission, and as done before
-    its future is: the step that takes the request already has every core back."""
-    mgr = llm.llm_engine.structured_output
-    go = threading.Event()
-    compile_ = mgr._compile
-    monkeypatch.setattr(mgr, "_compile", lambda text: (go.wait(30), compile_(text))[1])
-    held, seen = [], []
-    monkeypatch.setattr(
-        mgr, "on_compiling", lambda n: seen.append((n, held[0].done() if held else None))
-    )
-    req = mgr.new_request(SO(regex="uncounted-[0-9]{2}"))
-    held.append(req.compiled)
-    go.set()
-    req.compiled.result(30)
-    for _ in range(100):  # a done callback would run on the pool's thread
-        if len(seen) == 2:
-            break
-        time.sleep(0.01)
-    assert seen == [(1, None), (0, False)]
 
 
 def _metric(metrics, name: str) -> float:

@@ -127,10 +127,7 @@ class LLMEngine:
         self.structured_output: StructuredOutputManager | None = None
         if self.tokenizer is not None:
             self.structured_output = StructuredOutputManager(
-                self.tokenizer,
-                mc.arch.vocab_size,
-                self._eos_token_id(),
-                on_compiling=self.runner.leave_cores,
+                self.tokenizer, mc.arch.vocab_size, self._eos_token_id()
             )
         self.scheduler = Scheduler(
             config.scheduler_config,

@@ -46,7 +46,6 @@ from pagedjax.executor.model_loading import stage_layout
 from pagedjax.executor.request_state import RequestState, bias_row
 from pagedjax.executor.runner_ops import BLOCK_OP_BATCH, RunnerOps
 from pagedjax.executor.step_executables import StepExecutables
-from pagedjax.ops import cpu_kernels
 from pagedjax.ops.kv_cache import (
     KVCache,
     init_kv_cache,
@@ -237,15 +236,6 @@ class ModelRunner:
     def platform(self) -> str:
         """The devices' platform ("cpu", "gpu", ...)."""
         return self.plan.mesh.devices.flat[0].platform
-
-    def leave_cores(self, n: int) -> None:
-        """Leaves `n` of the process's cores to its other work (grammars compiling for
-        structured outputs) while steps run: the native CPU kernels, where the model uses
-        them, spread each call over that many fewer threads (`cpu_kernels.leave_cores`) until
-        n is 0 again. Elsewhere a no-op. Results do not change, only step times."""
-        mc = self.config.model_config
-        if self.platform == "cpu" and "cpu" in (mc.attention_backend, mc.linear_backend):
-            cpu_kernels.leave_cores(n, owner=self)
 
     def layout(self) -> dict[str, Any]:
         """The mesh shape, its devices, the decoder layers of each pipeline stage, and the

@@ -33,8 +33,8 @@ fails; `attention_backend` and `linear_backend` "auto" then keep "xla".
 
 Threads: each kernel call spreads its work over XLA's intra-op thread pool (the process's
 cores). `set_thread_limit(n)` caps that at n threads for every later call of every loaded
-path (and of paths loaded later), so that other work of the process (a grammar compiling) can
-have a core of its own; the kernels' results do not depend on it (work is split by rows,
+path (and of paths loaded later), so that other work of the process can have cores of its own;
+the kernels' results do not depend on it (work is split by rows,
 columns and heads, never inside a reduction).
 """
 
@@ -51,7 +51,6 @@ import platform
 import shutil
 import subprocess
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -121,8 +120,6 @@ _ISA_CPU_FLAGS = {
 _default_isa: str | None = None
 _libraries: dict[str, ctypes.CDLL] = {}  # ISA path -> its loaded library
 _thread_limit = 0  # the last set_thread_limit (0: none)
-_cores_left: dict[int, int] = {}  # leave_cores: id(owner) -> cores it asks to be left
-_cores_lock = threading.Lock()
 
 
 def _cpu_model() -> str:
@@ -330,29 +327,6 @@ def set_thread_limit(limit: int) -> None:
     _thread_limit = max(int(limit), 0)
     for lib in list(_libraries.values()):
         lib.PagedjaxSetThreadLimit(_thread_limit)
-
-
-def leave_cores(n: int, owner: object = None) -> None:
-    """Leaves `n` of the process's cores to other work of `owner` (an engine's runner; None:
-    the process): the kernels' threads are capped at the process's CPUs (its affinity) minus
-    the sum of every owner's n, at least 1; when every owner's n is 0 the cap is lifted.
-    (Beside the kernels' threads on every core, another busy thread of the process, even at
-    the lowest priority, gets its time by stretching the kernel calls; with a core left to
-    it, the calls run on the cores that remain.)"""
-    with _cores_lock:
-        if n > 0:
-            _cores_left[id(owner)] = n
-        else:
-            _cores_left.pop(id(owner), None)
-        total = sum(_cores_left.values())
-        if total == 0:
-            set_thread_limit(0)
-            return
-        try:
-            cores = len(os.sched_getaffinity(0))
-        except AttributeError:  # not Linux
-            cores = os.cpu_count() or 1
-        set_thread_limit(max(cores - total, 1))
 
 
 def thread_limit() -> int:

@@ -1,33 +1,21 @@
 """`StructuredOutputManager`: grammar compilation off the step path and the step's bitmask.
 
-Compilation: the first request with a given constraint submits its grammar to a thread pool
-(llguidance drops the GIL while it compiles, once it has read the grammar text: see
-`grammar` for a large schema's); later requests with an equal constraint (the same
-`grammar.grammar_text`, built once per request when it is validated) share the cached future
-(an LRU of `CACHE_SIZE` grammars). The llguidance tokenizer (the engine's Hugging Face
-tokenizer, as `llguidance.LLTokenizer`) is built once per engine, on the pool, when the
-manager is created (during the engine's warm-up: the conversion holds the GIL, so built at
-the first constrained request it stalled the running streams for its 0.4 s). A request
-waits in the scheduler until its grammar is ready (vLLM's WAITING_FOR_FSM), so a slow
-grammar delays only itself. The pool's threads run at a lower CPU priority (nice +
-`WORKER_NICENESS`, Linux) so that, where cores are few, a long compilation takes less CPU
-from the steps' threads. (Not SCHED_IDLE: a compile thread of that class, starved while it
-holds the GIL, stalled the engine thread; on 2 cores busy with 8 streams their slowest step
-while a 400-object schema compiled was 3.9-5.5x the median step, against 1.8-2.3x at nice
-+ 10 or + 19. What remains is in the steps' device phase, their host phases unchanged: the
-compile shares the two cores and the memory bus with XLA's threads, not the GIL. Measured
-before `pagedjax.malloc_arenas`; since, SCHED_IDLE with the kernels keeping every core gave a
-median largest gap of 1.97-1.98 steps over 6 runs, as leaving a core did, 1.90-2.08, but the
-grammar was ready after 1.4-1.5 s instead of 0.34-0.45 s.) So while a
-grammar compiles, the manager reports how many do (`on_compiling`), and the engine has the
-native CPU kernels leave that many cores to them (`ModelRunner.leave_cores`): the compile
-has a core of its own and the steps run on the others. On 2 cores (8 streams, a 400-object
-schema, 16 runs each way) the grammar was ready in 0.41-0.51 s instead of 0.70-0.83 s and the
-streams lost 30-45 % less step time in all. Served, their largest gap while it compiles is
-now a median 1.84 step times (18 runs; a step on the one core left takes 1.4-1.9x), after two
-stalls of the engine thread were removed: the compile thread sharing its malloc arena
-(`pagedjax.malloc_arenas`) and llguidance parsing a large schema under the GIL (`grammar`)
-(benchmarks/README.md, "Structured outputs").
+Compilation: the first request with a given constraint starts its grammar's compilation
+(`compilation.Compilation`: on a thread pool in Linux's idle scheduling class, so that it takes
+only CPU time the steps leave; expedited to a normal-priority thread when its request has
+waited too long, see `compilation`); llguidance drops the GIL while it compiles, once it has
+read the grammar text (see `grammar` for a large schema's). Later requests with an equal
+constraint (the same `grammar.grammar_text`, built once per request when it is validated)
+share the cached compilation (an LRU of `CACHE_SIZE` grammars). A request waits in the
+scheduler until its grammar is ready (vLLM's WAITING_FOR_FSM), so a slow grammar delays only
+itself.
+
+The llguidance tokenizer (the engine's Hugging Face tokenizer, as `llguidance.LLTokenizer`)
+is built once per engine, on the normal-priority thread (its conversion holds the GIL
+throughout, 0.4 s of the 0.65 s it takes for the default model's 49,152 tokens: a starved
+holder of the GIL would stall the engine thread), when the manager is created during the
+engine's warm-up (built at the first constrained request, it stalled the running streams'
+next step by those 0.4 s).
 
 Bitmask: each step, `fill_bitmask` gives the scheduled rows a [rows, ceil(V / 32)] int32 mask
 (bit j of word w allows token 32 w + j; llguidance's layout); unconstrained rows and rows that
@@ -42,17 +30,18 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import functools
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable
 
 import llguidance as llg
 import llguidance.numpy as llg_np
 import numpy as np
 
 from pagedjax.sampling_params import StructuredOutputsParams
+from pagedjax.structured_output.compilation import Compilation, CompilePools
 from pagedjax.structured_output.grammar import compile_error_message, grammar_text
 from pagedjax.structured_output.request import StructuredOutputRequest
 
@@ -60,20 +49,10 @@ logger = logging.getLogger(__name__)
 
 CACHE_SIZE = 256  # compiled grammars kept (least recently used dropped first)
 TIMINGS_KEPT = 4096  # undrained durations kept per kind
-WORKER_NICENESS = 10  # added to the compile threads' nice value
 # Fewer constrained rows than this are filled one by one on the scheduler thread: llguidance's
 # parallel executor wakes its threads for each call, which cost more than it saved for 8 rows
 # on 2 busy cores (15 ms per step against about 0.3 ms per uncached row).
 PARALLEL_FILL_MIN_ROWS = 16
-
-
-def _lower_priority() -> None:
-    """Thread initializer: this thread yields the CPU to the engine's (Linux: per thread)."""
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + WORKER_NICENESS)
-    except (AttributeError, OSError):  # not Linux, or not allowed: run at normal priority
-        pass
 
 
 def bitmask_width(vocab_size: int) -> int:
@@ -89,10 +68,6 @@ class StructuredOutputManager:
         vocab_size: the model's vocabulary (logits width; may exceed the tokenizer's).
         eos_token_id: the token that ends a sequence (allowed where the grammar may end).
         max_workers: compile threads (default: half the CPUs, 1 to 4).
-        on_compiling: called with the number of grammars the pool compiles (those submitted
-            and not done, at most its threads) whenever it changes, from the time a grammar is
-            submitted; the engine uses it to leave them cores (`ModelRunner.leave_cores`).
-            Called under the manager's lock; must be quick and must not raise.
     """
 
     def __init__(
@@ -101,27 +76,18 @@ class StructuredOutputManager:
         vocab_size: int,
         eos_token_id: int | None,
         max_workers: int | None = None,
-        on_compiling: Callable[[int], None] | None = None,
     ):
         self.hf_tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
         self.width = bitmask_width(vocab_size)
         workers = max_workers or min(4, max(1, (os.cpu_count() or 2) // 2))
-        self._pool = concurrent.futures.ThreadPoolExecutor(
-            workers, "pagedjax-grammar", initializer=_lower_priority
-        )
-        # built now, on the pool, while the engine warms up: llguidance's conversion of a
-        # Hugging Face tokenizer holds the GIL throughout (0.4 s of the 0.65 s it takes for
-        # the default model's 49,152 tokens), so built at the first constrained request it
-        # stalled every running stream's next step by that much
-        self._tokenizer = self._pool.submit(self._build_tokenizer)
+        self._pools = CompilePools(workers)
+        # built now, while the engine warms up, at normal priority (see the docstring)
+        self._tokenizer = self._pools.normal.submit(self._build_tokenizer)
         self._executor: llg.LLExecutor | None = None
         self._cache: collections.OrderedDict = collections.OrderedDict()
-        self._lock = threading.Lock()
-        self.on_compiling = on_compiling
-        self._workers = workers
-        self._pending = 0  # grammars submitted to the pool and not done
+        self._lock = threading.RLock()  # re-entered when a compile settles at once
         self._compile_s: collections.deque = collections.deque(maxlen=TIMINGS_KEPT)
         self._fill_s: collections.deque = collections.deque(maxlen=TIMINGS_KEPT)
         # totals since start: grammars compiled, their seconds, bitmask fills, their seconds
@@ -141,28 +107,16 @@ class StructuredOutputManager:
         )
         return tok
 
-    def _count_compiling(self, delta: int) -> None:
-        """Counts grammars submitted and not yet done; tells `on_compiling` how many of them
-        the pool runs (at most its threads). Call under `_lock`."""
-        self._pending += delta
-        if self.on_compiling is not None:
-            self.on_compiling(min(self._pending, self._workers))
+    def _compile(self, text: str) -> list:
+        """On a pool's thread: [the grammar's matcher (perhaps in error), its seconds]."""
+        tokenizer = self._tokenizer.result()
+        t0 = time.perf_counter()
+        matcher = llg.LLMatcher(tokenizer, text, log_level=0)
+        return [matcher, time.perf_counter() - t0]
 
-    def _cancelled(self, fut: concurrent.futures.Future) -> None:
-        """Done callback: a compile cancelled before it ran is no longer counted."""
-        if fut.cancelled():
-            with self._lock:
-                self._count_compiling(-1)
-
-    def _compile(self, text: str) -> llg.LLMatcher:
-        try:
-            tokenizer = self._tokenizer.result()
-            t0 = time.perf_counter()
-            matcher = llg.LLMatcher(tokenizer, text, log_level=0)
-            dt = time.perf_counter() - t0
-        finally:  # before the future is done: the step that takes the request has every core
-            with self._lock:
-                self._count_compiling(-1)
+    def _finish(self, text: str, compiled: list) -> llg.LLMatcher:
+        """The first compile of `text` to finish: counted, and its matcher or its error."""
+        matcher, dt = compiled
         with self._lock:
             self._compile_s.append(dt)
             self.stats["compiles"] += 1
@@ -182,21 +136,19 @@ class StructuredOutputManager:
         text = grammar_text(so) if text is None else text
         key = (so.kind, text)
         with self._lock:
-            fut = self._cache.get(key)
-            submitted = fut is None or (fut.done() and fut.exception() is not None)
-            if submitted:
-                # counted from now, so that the step that follows already leaves the compile
-                # its core (not from when the pool's thread starts it, mid-step)
-                self._count_compiling(1)
-                fut = self._pool.submit(self._compile, text)
-                self._cache[key] = fut
+            comp = self._cache.get(key)
+            if comp is None or (comp.future.done() and comp.future.exception() is not None):
+                comp = Compilation(
+                    self._pools,
+                    functools.partial(self._compile, text),
+                    functools.partial(self._finish, text),
+                )
+                self._cache[key] = comp
                 while len(self._cache) > CACHE_SIZE:
                     self._cache.popitem(last=False)
             else:
                 self._cache.move_to_end(key)
-        if submitted:  # outside the lock: a future already done runs its callback here
-            fut.add_done_callback(self._cancelled)
-        return StructuredOutputRequest(so.kind, fut)
+        return StructuredOutputRequest(so.kind, comp.future, comp)
 
     def wait_any(self, requests: list[StructuredOutputRequest], timeout: float) -> None:
         """Blocks until one of `requests`' grammars is ready or `timeout` seconds pass (the
@@ -238,4 +190,4 @@ class StructuredOutputManager:
         return compiles, fills
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pools.shutdown()

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from pagedjax.structured_output.compilation import EXPEDITE_AFTER_S
+
 if TYPE_CHECKING:
     from pagedjax.engine.interface import ScheduledSeq
     from pagedjax.engine.request import Request
@@ -41,10 +43,15 @@ class GrammarWaitQueue:
         self, manager: StructuredOutputManager, idle: bool
     ) -> tuple[list[Request], list[tuple[Request, str]]]:
         """Removes and returns the requests whose grammar compiled, and (request, error) of
-        those whose grammar failed. With `idle` (nothing else to run), first waits up to
-        WAIT_WHEN_IDLE_S for one to finish instead of letting the engine spin."""
+        those whose grammar failed. A grammar that has compiled for `EXPEDITE_AFTER_S` on the
+        idle-class pool, or any with `idle` (nothing else to run), is expedited to the
+        normal-priority one (`compilation`). With `idle`, first waits up to WAIT_WHEN_IDLE_S
+        for one to finish instead of letting the engine spin."""
         if not self._reqs:
             return [], []
+        for r in self._reqs:  # nothing else to run, or waited long enough: normal priority
+            if idle or r.structured_output.waited() >= EXPEDITE_AFTER_S:
+                r.structured_output.expedite()
         if idle:
             manager.wait_any([r.structured_output for r in self._reqs], WAIT_WHEN_IDLE_S)
         ready, failed, kept = [], [], []

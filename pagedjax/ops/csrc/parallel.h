@@ -25,8 +25,8 @@
 //
 // Threads(pool) is how many threads a kernel call spreads its work over: the pool's, capped
 // by the process-wide ThreadLimit() (0: no cap), which Python sets through
-// PagedjaxSetThreadLimit (linear_cpu.cc) to leave cores to other work of the engine's process
-// (a grammar compiling for structured outputs). Every kernel reads it once per call, and its
+// PagedjaxSetThreadLimit (linear_cpu.cc; `cpu_kernels.set_thread_limit`) to leave cores to
+// other work of the process. Every kernel reads it once per call, and its
 // work items split rows, columns or heads only, never a reduction, so a call's bits do not
 // depend on it.
 #pragma once

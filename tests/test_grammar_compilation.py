@@ -1,0 +1,159 @@
+"""Where grammars compile (`structured_output.compilation`) and when the scheduler expedites
+them (`structured_output.scheduling.GrammarWaitQueue`): the idle-class pool first, a
+normal-priority thread once the request has waited `EXPEDITE_AFTER_S` or the engine has nothing
+else to run, and the first run to finish gives the result."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+
+from pagedjax.structured_output import compilation as comp_mod
+from pagedjax.structured_output.compilation import Compilation, CompilePools
+from pagedjax.structured_output.scheduling import GrammarWaitQueue
+
+linux = pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux scheduling classes")
+
+
+def _where() -> tuple[int, int]:
+    """This thread's scheduling class and nice value."""
+    tid = threading.get_native_id()
+    return os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, tid)
+
+
+@pytest.fixture
+def pools():
+    p = CompilePools(1)
+    yield p
+    p.shutdown()
+
+
+class Tracked:
+    """Records the scheduling class of the thread that frees it."""
+
+    def __init__(self, freed: list):
+        self.freed = freed
+
+    def __del__(self):
+        self.freed.append(os.sched_getscheduler(0))
+
+
+class Held:
+    """A compile that records where it ran and returns [its tag, a Tracked] once released."""
+
+    def __init__(self):
+        self.where: list[tuple[int, int]] = []
+        self.freed: list[int] = []
+        self.started = threading.Semaphore(0)
+        self.release = {"idle": threading.Event(), "normal": threading.Event()}
+
+    def __call__(self):
+        where = _where()
+        self.where.append(where)
+        self.started.release()
+        tag = "idle" if where[0] == getattr(os, "SCHED_IDLE", -1) else "normal"
+        assert self.release[tag].wait(30)
+        return [tag, Tracked(self.freed)]
+
+
+@linux
+def test_a_compilation_starts_in_the_idle_class_and_expedites_to_normal_priority(pools):
+    """It runs on an idle-class thread; expedited, it also runs at nice + WORKER_NICENESS
+    (never the idle class), and the first run to finish gives the result, finished once; the
+    losing idle run's result is freed on the normal thread (freeing a matcher holds the GIL)."""
+    nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    held, finished = Held(), []
+    c = Compilation(pools, held, lambda r: finished.append(r[0]) or r[0].upper())
+    assert held.started.acquire(timeout=30)
+    assert held.where == [(os.SCHED_IDLE, nice)]
+    assert not c.future.done() and not c.expedited
+    c.expedite()
+    c.expedite()  # once only
+    assert held.started.acquire(timeout=30)
+    assert held.where[1] == (os.SCHED_OTHER, min(nice + comp_mod.WORKER_NICENESS, 19))
+    held.release["normal"].set()
+    assert c.future.result(30) == "NORMAL"
+    held.release["idle"].set()  # the idle run ends later: its result is freed, not there
+    pools.idle.submit(lambda: None).result(30)  # the idle run is done, and settled
+    pools.normal.submit(lambda: None).result(30)  # and the normal thread has freed it
+    assert c.future.result() == "NORMAL" and finished == ["normal"]
+    assert len(held.where) == 2 and held.freed == [os.SCHED_OTHER]
+
+
+def test_the_idle_run_can_win_and_a_queued_run_is_cancelled(pools):
+    """Without expedite the idle run gives the result; a run still queued when the result
+    arrives never starts; finish's error becomes the future's."""
+    block = threading.Event()
+    pools.normal.submit(block.wait, 30)  # the normal thread is busy: an expedited run queues
+    ran = []
+    c = Compilation(pools, lambda: ran.append(1) or ["x"], lambda r: r[0] * 2)
+    c.expedite()
+    assert c.future.result(30) == "xx"
+    block.set()
+    pools.normal.submit(lambda: None).result(30)
+    assert ran == [1]
+    bad = Compilation(pools, lambda: ["y"], lambda r: (_ for _ in ()).throw(ValueError("bad: y")))
+    with pytest.raises(ValueError, match="bad: y"):
+        bad.future.result(30)
+
+
+def test_a_compilation_of_shut_down_pools_is_cancelled():
+    """Pools shut down before the run started: the future is cancelled (its waiters woken),
+    and expedite does nothing."""
+    p = CompilePools(1)
+    block = threading.Event()
+    p.idle.submit(block.wait, 30)
+    c = Compilation(p, lambda: ["never"], lambda r: r)
+    p.shutdown()
+    block.set()
+    assert c.future.cancelled()
+    c.expedite()
+    assert c.future.cancelled()
+
+
+class FakeSO:
+    """The part of a StructuredOutputRequest the wait queue uses."""
+
+    def __init__(self, waited: float):
+        self._waited = waited
+        self.expedited = 0
+        self.compiled = None
+
+    def waited(self) -> float:
+        return self._waited
+
+    def expedite(self) -> None:
+        self.expedited += 1
+
+    def is_ready(self) -> bool:
+        return False
+
+
+class FakeReq:
+    def __init__(self, waited: float):
+        self.structured_output = FakeSO(waited)
+
+
+class FakeManager:
+    def __init__(self):
+        self.waits = []
+
+    def wait_any(self, sos, timeout):
+        self.waits.append((len(sos), timeout))
+
+
+def test_the_wait_queue_expedites_after_the_wait_or_when_idle():
+    """Busy: only a request that has waited EXPEDITE_AFTER_S is expedited; idle (nothing else
+    to run): every waiting request is, and the queue waits briefly for one."""
+    q, mgr = GrammarWaitQueue(), FakeManager()
+    short, long_ = FakeReq(0.2), FakeReq(comp_mod.EXPEDITE_AFTER_S + 0.1)
+    q.add(short)
+    q.add(long_)
+    assert q.take_done(mgr, idle=False) == ([], [])
+    assert (short.structured_output.expedited, long_.structured_output.expedited) == (0, 1)
+    assert mgr.waits == []
+    assert q.take_done(mgr, idle=True) == ([], [])
+    assert short.structured_output.expedited == 1 and len(q) == 2
+    assert len(mgr.waits) == 1 and mgr.waits[0][0] == 2
