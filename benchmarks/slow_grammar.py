@@ -1,24 +1,33 @@
 """The slow-grammar check: what a large schema's compile costs the streams already running.
 
-    python -m benchmarks.slow_grammar [--reps 4] [--served-reps 6] [--json-form]
+    python -m benchmarks.slow_grammar [--reps 8] [--served-reps 6] [--json-form]
         [--out benchmarks/results/slow_grammar.json]
 
 8 unconstrained streams decode on the default model (SmolLM2-135M-Instruct; 32-token prompts
 of the standard workload, greedy, 60 tokens each); after 10 steps a request with a large
-schema (`big_schema(400)`: 400 nested objects, 265 kB, 0.2-0.5 s to compile; a new one each
-run, so no cache hit) is added. The gaps between the streams' tokens while the grammar
-compiles are compared with the median step before it: the goal is that no gap exceeds two
-step times (no stream's next token delayed by more than one step). The same with the compile
-done synchronously on the engine thread (as it would be without the pool) gives the contrast.
+schema (`big_schema(400)`: 400 nested objects, 265 kB, 0.2-0.5 s to compile alone; a new one
+each run, so no cache hit) is added. The gaps between the streams' tokens from the add until
+the grammar is ready are compared with the median step before it: the goal is that no gap
+exceeds two step times (no stream's next token delayed by more than one step).
 
-`--reps N` runs the check N times with the native kernels leaving the compile a core (the
-engine's default) and N times without (alternating), on `LLMEngine` driven in this thread,
-and summarises both: the largest gap over the median step, how long the request waited for
-its grammar, and the time the streams lost in all (in steps). It also reports what adding
-such a request costs the engine's thread (`add_request` against `add_processed` of an input
-checked elsewhere). `--served-reps N` then runs the check N times each way through `AsyncLLM`
-(the server's engine): requests checked on its inputs thread, as served, or on the engine
-thread, as before (gaps between the first stream's tokens as its coroutine receives them).
+`--reps N` runs the check N times for each of these variants, in turn, on `LLMEngine` driven
+in this thread:
+    idle     the engine as it is: the compile on the pool's thread, in Linux's idle class
+    before   the engine before it moved there: the compile thread at nice + 10, and the native
+             kernels leaving it a core (`cpu_kernels.set_thread_limit`) from the add until the
+             grammar is ready. Moving a thread out of the idle class needs CAP_SYS_NICE: without
+             it this variant is skipped.
+    none     no grammar: an unconstrained request added at the same step, and the gaps of the
+             steps that follow (as many as the longest `idle` run had): this machine's own
+             spread of step times, to read the others against.
+It summarises each: the largest gap over the median step (median, worst, runs over 2), the
+gaps' 90th percentile, how long the request waited for its grammar, and the time the streams
+lost in all (in steps). Then one run with the compile done synchronously on the engine thread
+(as it would be without the pool) gives the contrast, and what adding such a request costs
+the engine's thread (`add_request` against `add_processed` of an input checked elsewhere).
+`--served-reps N` runs `idle` and `before` N times each through `AsyncLLM` (the server's
+engine; gaps between the first stream's tokens as its coroutine receives them, until the big
+request's first token).
 
 `--json-form` compiles large schemas from llguidance's JSON grammar form, which llguidance
 parses holding the GIL, as the engine did before it inlined them in Lark
@@ -57,27 +66,40 @@ def big_schema(n: int) -> dict:
     return {"type": "object", "properties": props, "required": list(props)}
 
 
-def slow_grammar(llm, reqs: list[dict], synchronous: bool, leave_cores: bool = True) -> dict:
+VARIANTS = ("idle", "before", "none")
+
+
+def set_compile_class(mgr, variant: str) -> None:
+    """Puts the manager's compile threads in the idle class (`idle`), or at normal priority,
+    nice + 10 (`before`). Raises PermissionError where leaving the idle class is not allowed."""
+    for t in list(mgr._pools.idle._threads):
+        if variant == "before":
+            os.sched_setscheduler(t.native_id, os.SCHED_OTHER, os.sched_param(0))
+            os.setpriority(os.PRIO_PROCESS, t.native_id, os.getpriority(os.PRIO_PROCESS, 0) + 10)
+        else:
+            os.sched_setscheduler(t.native_id, os.SCHED_IDLE, os.sched_param(0))
+
+
+def leave_a_core(on: bool) -> None:
+    """The kernels leave a core (`before`, while the grammar compiles), or keep every core."""
+    from pagedjax.ops import cpu_kernels
+
+    cores = len(os.sched_getaffinity(0))
+    cpu_kernels.set_thread_limit(max(cores - 1, 1) if on else 0)
+
+
+def slow_grammar(
+    llm, reqs: list[dict], synchronous: bool, variant: str = "idle", none_gaps: int = 50
+) -> dict:
     """8 unconstrained streams; a large-schema request added after 10 steps. Gaps between the
-    streams' steps while its grammar compiles, against the median step before. `leave_cores`
-    False: the native kernels keep every thread while the grammar compiles (the engine's
-    `on_compiling` hook unset for this run)."""
-
-    eng = llm.llm_engine
-    mgr = eng.structured_output
-    hook = mgr.on_compiling
-    if not leave_cores:
-        mgr.on_compiling = None
-    try:
-        return _slow_grammar(eng, mgr, reqs, synchronous) | {"leave_cores": leave_cores}
-    finally:
-        mgr.on_compiling = hook
-
-
-def _slow_grammar(eng, mgr, reqs: list[dict], synchronous: bool) -> dict:
+    streams' steps while its grammar compiles, against the median step before (`VARIANTS`;
+    `none`: the first `none_gaps` gaps after an unconstrained request is added)."""
     from pagedjax import SamplingParams
     from pagedjax.sampling_params import StructuredOutputsParams
 
+    eng = llm.llm_engine
+    mgr = eng.structured_output
+    set_compile_class(mgr, variant)
     for i, r in enumerate(reqs[:8]):
         eng.add_request(
             f"s{i}",
@@ -89,31 +111,42 @@ def _slow_grammar(eng, mgr, reqs: list[dict], synchronous: bool) -> dict:
     global _schemas_made
     _schemas_made += 1
     schema = big_schema(400 + _schemas_made)  # a new schema each time: no cache hit
-    so = StructuredOutputsParams(json=schema)
+    so = None if variant == "none" else StructuredOutputsParams(json=schema)
     compiles0 = mgr.stats["compile_s"]
-    while eng.has_unfinished_requests():
-        outs = eng.step()
-        now = time.perf_counter()
-        if any(o.request_id.startswith("s") for o in outs):
-            stamps.append(now)
-        if len(stamps) == 10 and added_at is None:
-            added_at = time.perf_counter()
-            params = SamplingParams(temperature=0.0, max_tokens=8, structured_outputs=so)
-            eng.add_request("big", "Fill the form:", params)
-            if synchronous:  # what the engine thread would pay without the pool
-                mgr.wait_any([eng.scheduler.requests["big"].structured_output], 60)
-        waiting = eng.scheduler.stats().num_waiting_for_grammar
-        if added_at is not None and ready_at is None and waiting == 0:
-            ready_at = now
+    try:
+        while eng.has_unfinished_requests():
+            outs = eng.step()
+            now = time.perf_counter()
+            if any(o.request_id.startswith("s") for o in outs):
+                stamps.append(now)
+            if len(stamps) == 10 and added_at is None:
+                added_at = time.perf_counter()
+                params = SamplingParams(temperature=0.0, max_tokens=8, structured_outputs=so)
+                eng.add_request("big", "Fill the form:", params)
+                leave_a_core(variant == "before")
+                if synchronous:  # what the engine thread would pay without the pool
+                    mgr.wait_any([eng.scheduler.requests["big"].structured_output], 60)
+            waiting = eng.scheduler.stats().num_waiting_for_grammar
+            if added_at is not None and ready_at is None and waiting == 0:
+                ready_at = now
+                leave_a_core(False)
+    finally:
+        leave_a_core(False)
+        set_compile_class(mgr, "idle")
     before = [b - a for a, b in zip(stamps[:9], stamps[1:10], strict=True)]
-    during = [b - a for a, b in zip(stamps, stamps[1:], strict=False) if added_at <= b <= ready_at]
-    during = during or [stamps[10] - stamps[9]]
+    gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+    if variant == "none":
+        during = gaps[9 : 9 + none_gaps]
+    else:
+        during = [g for g, b in zip(gaps, stamps[1:], strict=True) if added_at <= b <= ready_at]
+        during = during or [stamps[10] - stamps[9]]
     step = statistics.median(before)
     return {
+        "variant": variant,
         "synchronous_compile": synchronous,
         "median_step_before_s": step,
         "compile_s": mgr.stats["compile_s"] - compiles0,
-        "grammar_wait_s": ready_at - added_at,
+        "grammar_wait_s": 0.0 if variant == "none" else ready_at - added_at,
         "max_gap_while_compiling_s": max(during),
         "gaps_while_compiling_s": during,
         "max_gap_over_median_step": max(during) / step,
@@ -154,12 +187,11 @@ def add_cost(eng, reps: int = 5) -> dict:
     }
 
 
-def slow_grammar_served(llm, reqs: list[dict], reps: int) -> list[dict]:
-    """The slow-grammar check through `AsyncLLM` (the server's engine), `reps` times each way,
-    alternating: requests checked on the inputs thread (as served), or on the engine thread
-    (the server before: `add_processed` patched to run the checks there). Gaps between the
-    first stream's tokens as its coroutine receives them, from the big request's add until
-    its first token, against the median gap before. Takes the engine over from `llm`."""
+def slow_grammar_served(llm, reqs: list[dict], reps: int, variants: tuple) -> list[dict]:
+    """The slow-grammar check through `AsyncLLM` (the server's engine), `reps` times for each of
+    `variants` ("idle", "before"), in turn. Gaps between the first stream's tokens as its
+    coroutine receives them, from the big request's add until its first token, against the
+    median gap before. Takes the engine over from `llm`."""
     import asyncio
 
     from pagedjax import SamplingParams
@@ -167,23 +199,9 @@ def slow_grammar_served(llm, reqs: list[dict], reps: int) -> list[dict]:
     from pagedjax.sampling_params import StructuredOutputsParams
 
     eng = AsyncLLM(llm.llm_engine)
-    core = llm.llm_engine
-    processed_add = core.add_processed
+    mgr = llm.llm_engine.structured_output
 
-    def checks_on_engine_thread(on: bool) -> None:
-        if on:  # the inputs thread passes the raw request; the engine thread checks it
-            eng._process_inputs = lambda rs, check: [(rid, (p, sp, check)) for rid, p, sp in rs]
-
-            def add_processed(rid, raw, arrival_time=None, priority=0):
-                inp = core.input_processor.process(*raw)
-                processed_add(rid, inp, arrival_time, priority)
-
-            core.add_processed = add_processed
-        else:
-            eng.__dict__.pop("_process_inputs", None)
-            core.add_processed = processed_add
-
-    async def once(tag: str) -> dict:
+    async def once(tag: str, variant: str) -> dict:
         global _schemas_made
         stamps: list[float] = []
 
@@ -205,30 +223,68 @@ def slow_grammar_served(llm, reqs: list[dict], reps: int) -> list[dict]:
         so = StructuredOutputsParams(json=big_schema(400 + _schemas_made))
         params = SamplingParams(temperature=0.0, max_tokens=4, structured_outputs=so)
         added_at, first = time.perf_counter(), None
+        leave_a_core(variant == "before")
         async for _ in eng.generate("Fill the form:", params, f"{tag}-big"):
-            first = first or time.perf_counter()
+            if first is None:
+                first = time.perf_counter()
+                leave_a_core(False)
         await asyncio.gather(*tasks)
         gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
         step = statistics.median(gaps[:9])
         during = [b - a for a, b in zip(stamps, stamps[1:], strict=False) if added_at <= b <= first]
         return {
+            "variant": variant,
             "median_step_before_s": step,
             "gaps_while_compiling_s": during,
+            "grammar_wait_s": first - added_at,
             "max_gap_over_median_step": max(during) / step,
-            "first_gap_over_median_step": during[0] / step,
         }
 
     runs = []
     try:
         for rep in range(reps):
-            for on_engine in (False, True) if rep % 2 == 0 else (True, False):
-                checks_on_engine_thread(on_engine)
-                tag = f"served-{rep}-{on_engine}"
-                runs.append(asyncio.run(once(tag)) | {"checks_on_engine_thread": on_engine})
+            for variant in variants if rep % 2 == 0 else variants[::-1]:
+                set_compile_class(mgr, variant)
+                runs.append(asyncio.run(once(f"served-{rep}-{variant}", variant)))
     finally:
-        checks_on_engine_thread(False)
+        leave_a_core(False)
+        set_compile_class(mgr, "idle")
         eng.shutdown()
     return runs
+
+
+def summarize(runs: list[dict]) -> dict:
+    """One variant's runs: the largest gap over the median step (median, worst, runs over 2),
+    the gaps' 90th percentile, the grammar's wait, and the streams' lost time in steps."""
+    ratios = [r["max_gap_over_median_step"] for r in runs]
+    rel = sorted(g / r["median_step_before_s"] for r in runs for g in r["gaps_while_compiling_s"])
+    # the time the streams lost while it compiled, in steps: sum over gaps of (gap - step)
+    extra = [
+        sum(g - r["median_step_before_s"] for g in r["gaps_while_compiling_s"])
+        / r["median_step_before_s"]
+        for r in runs
+    ]
+    return {
+        "runs": len(ratios),
+        "median_max_gap_over_median_step": statistics.median(ratios),
+        "worst": max(ratios),
+        "runs_over_2": sum(x > 2.0 for x in ratios),
+        "gap_p90_over_median_step": rel[int(0.9 * (len(rel) - 1))],
+        "median_gaps": statistics.median(len(r["gaps_while_compiling_s"]) for r in runs),
+        "median_grammar_wait_s": statistics.median(r["grammar_wait_s"] for r in runs),
+        "median_extra_steps": statistics.median(extra),
+    }
+
+
+def can_leave_idle_class(mgr) -> bool:
+    """Whether this process may move a thread out of the idle class (the `before` variant)."""
+    try:
+        set_compile_class(mgr, "before")
+    except PermissionError:
+        return False
+    finally:
+        set_compile_class(mgr, "idle")
+    return True
 
 
 def use_json_form() -> None:
@@ -244,55 +300,38 @@ def use_json_form() -> None:
 
 
 def run(llm, reqs: list[dict], reps: int, served_reps: int) -> tuple[list[dict], dict]:
-    """The check `reps` times each way in process (then once synchronously), the add's cost,
-    and `served_reps` times each way through AsyncLLM (which takes the engine over from `llm`:
-    call last). Returns the runs and their summary."""
+    """The check `reps` times for each variant in process (then once synchronously), the add's
+    cost, and `served_reps` times each way through AsyncLLM (which takes the engine over from
+    `llm`: call last). Returns the runs and their summary."""
+    mgr = llm.llm_engine.structured_output
+    variants = VARIANTS if can_leave_idle_class(mgr) else ("idle", "none")
+    timed = [v for v in variants if v != "none"]
     slow = []
-    for rep in range(reps):  # alternating which setting goes first
-        for leave in (True, False) if rep % 2 == 0 else (False, True):
-            slow.append(slow_grammar(llm, reqs, False, leave_cores=leave))
+    for rep in range(reps):  # alternating the order
+        for variant in timed if rep % 2 == 0 else timed[::-1]:
+            slow.append(slow_grammar(llm, reqs, False, variant))
+    if "none" in variants:  # as many gaps as the idle runs had at most
+        most = max((len(s["gaps_while_compiling_s"]) for s in slow), default=50)
+        slow += [slow_grammar(llm, reqs, False, "none", none_gaps=most) for _ in range(reps)]
     slow.append(slow_grammar(llm, reqs, True))
     for s in slow:
         print(
             "slow grammar",
             json.dumps({k: v for k, v in s.items() if k != "gaps_while_compiling_s"}),
         )
-    slow_summary = {}
-    for leave in (True, False):
-        runs_ = [s for s in slow if s["leave_cores"] == leave and not s["synchronous_compile"]]
-        ratios = [s["max_gap_over_median_step"] for s in runs_]
-        # the time the streams lost while it compiled, in steps: sum over gaps of (gap - step)
-        extra = [
-            sum(g - s["median_step_before_s"] for g in s["gaps_while_compiling_s"])
-            / s["median_step_before_s"]
-            for s in runs_
-        ]
-        slow_summary["leave_cores" if leave else "all_cores"] = {
-            "runs": len(ratios),
-            "median_max_gap_over_median_step": statistics.median(ratios),
-            "worst": max(ratios),
-            "runs_over_2": sum(r > 2.0 for r in ratios),
-            "median_grammar_wait_s": statistics.median(s["grammar_wait_s"] for s in runs_),
-            "median_extra_steps": statistics.median(extra),
-        }
+    slow_summary = {
+        v: summarize([s for s in slow if s["variant"] == v and not s["synchronous_compile"]])
+        for v in variants
+    }
+    if "before" not in variants:
+        slow_summary["before"] = "skipped: moving a thread out of the idle class is not allowed"
     print("slow grammar summary", json.dumps(slow_summary))
     slow_summary["engine_thread_add"] = add_cost(llm.llm_engine)
     print("engine thread's cost of an add", json.dumps(slow_summary["engine_thread_add"]))
     if served_reps:
-        served = slow_grammar_served(llm, reqs, served_reps)
+        served = slow_grammar_served(llm, reqs, served_reps, tuple(timed))
         slow_summary["served"] = {
-            where: {
-                k: statistics.median(r[k] for r in served if r["checks_on_engine_thread"] == on)
-                for k in ("max_gap_over_median_step", "first_gap_over_median_step")
-            }
-            | {
-                "runs_over_2": sum(
-                    r["max_gap_over_median_step"] > 2.0
-                    for r in served
-                    if r["checks_on_engine_thread"] == on
-                )
-            }
-            for where, on in (("inputs_thread", False), ("engine_thread", True))
+            v: summarize([r for r in served if r["variant"] == v]) for v in timed
         }
         slow_summary["served_runs"] = served
         print("served slow grammar", json.dumps(slow_summary["served"]))
@@ -302,7 +341,7 @@ def run(llm, reqs: list[dict], reps: int, served_reps: int) -> tuple[list[dict],
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workload", default=str(STANDARD_WORKLOAD))
-    ap.add_argument("--reps", type=int, default=4, help="in-process runs each way")
+    ap.add_argument("--reps", type=int, default=8, help="in-process runs of each variant")
     ap.add_argument("--served-reps", type=int, default=6, help="runs each way through AsyncLLM")
     ap.add_argument("--json-form", action="store_true", help="large schemas in the JSON form")
     ap.add_argument("--max-model-len", type=int, default=1024)

@@ -27,8 +27,9 @@ The device side alone (`mask_apply`): the jitted `ops.bitmask.maybe_apply_token_
 constrained row runs) and on; medians of 50 calls after a warm-up.
 
 Then the slow-grammar check (`benchmarks/slow_grammar.py`, which can also run alone):
-`--slow-reps N` runs it N times each way in process (the kernels leaving the compile a core,
-or not), `--served-reps N` N times each way through `AsyncLLM`; `--slow-only` runs just that.
+`--slow-reps N` runs it N times for each variant in process (the engine as it is, as it was
+before its compiles moved to the idle class, and with no grammar), `--served-reps N` N times
+each way through `AsyncLLM`; `--slow-only` runs just that.
 """
 
 from __future__ import annotations

@@ -19,11 +19,11 @@ normal-priority thread).
 
 Measured on 2 cores with 8 streams (benchmarks/README.md, "The compile in the idle scheduling
 class"): while a new 400-object schema compiled in the idle class, 90 % of the streams' gaps
-between tokens stayed within 1.27-1.44 of the step before (no grammar at all: 1.27), against
-1.77-2.34 when it compiled at nice + 10 with the native kernels leaving it a core (the engine
-before); its request waited 2.5-3 s instead of 0.7-0.9 s. At nice + 10 or 19 beside the kernels
-on every core the gaps were in between (a task that gets a core keeps it for its time slice
-whatever its nice value; an idle-class task gives way to any waking thread).
+between tokens stayed within 1.27-1.63 of the step before (no grammar at all: 1.22-1.27),
+against 1.77-2.67 when it compiled at nice + 10 with the native kernels leaving it a core (the
+engine before); its request waited 1.6-2.8 s instead of 0.5-0.9 s. At nice + 10 or 19 beside
+the kernels on every core the gaps were in between (a task that gets a core keeps it for its
+time slice whatever its nice value; an idle-class task gives way to any waking thread).
 """
 
 from __future__ import annotations
