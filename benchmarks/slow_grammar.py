@@ -29,6 +29,9 @@ the engine's thread (`add_request` against `add_processed` of an input checked e
 engine; gaps between the first stream's tokens as its coroutine receives them, until the big
 request's first token).
 
+With `PAGEDJAX_CPU_NUM_OF_RESERVED_CPU=1` in the environment the steps run on the other cores
+and the compile on the last one (`pagedjax.reserved_cpus`); the result's `env` records it.
+
 `--json-form` compiles large schemas from llguidance's JSON grammar form, which llguidance
 parses holding the GIL, as the engine did before it inlined them in Lark
 (`structured_output.grammar`). Running with `GLIBC_TUNABLES=glibc.malloc.arena_max=16` keeps
@@ -361,6 +364,8 @@ def main(argv=None) -> None:
         "json_form": ns.json_form,
         "GLIBC_TUNABLES": os.environ.get("GLIBC_TUNABLES"),
         "MALLOC_ARENA_MAX": os.environ.get("MALLOC_ARENA_MAX"),
+        "PAGEDJAX_CPU_NUM_OF_RESERVED_CPU": os.environ.get("PAGEDJAX_CPU_NUM_OF_RESERVED_CPU"),
+        "steps_cpus": sorted(os.sched_getaffinity(0)),
     }
     result = {"slow_grammar": slow, "slow_grammar_summary": summary, "env": env}
     Path(ns.out).parent.mkdir(parents=True, exist_ok=True)

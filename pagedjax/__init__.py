@@ -6,17 +6,21 @@
 
 Names are imported lazily so that the jax-free parts (the scheduler, the block manager) can
 be imported without jax. Importing the package raises glibc's malloc arena limit
-(`pagedjax.malloc_arenas`).
+(`pagedjax.malloc_arenas`) and, where `PAGEDJAX_CPU_NUM_OF_RESERVED_CPU` asks for it, keeps
+CPUs from the steps for grammar compiles (`pagedjax.reserved_cpus`).
 """
 
 from __future__ import annotations
 
 import importlib
 
+from pagedjax import reserved_cpus
 from pagedjax.malloc_arenas import raise_arena_limit
 
 # before jax starts its threads: every thread of the engine's process gets its own malloc arena
 raise_arena_limit()
+# and XLA's thread pool sizes itself to the CPUs not reserved
+reserved_cpus.apply()
 
 __version__ = "0.1.0"
 

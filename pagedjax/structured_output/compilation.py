@@ -17,6 +17,10 @@ priority, nice + `WORKER_NICENESS`, and the first of the two to finish gives the
 other is cancelled if still queued; if running, it runs on and its result is freed on the
 normal-priority thread).
 
+Where the operator reserves CPUs for such work (`PAGEDJAX_CPU_NUM_OF_RESERVED_CPU`,
+`reserved_cpus`), both pools' threads run on those CPUs, which the steps' threads do not use:
+a compile there has a core of its own.
+
 Measured on 2 cores with 8 streams (benchmarks/README.md, "The compile in the idle scheduling
 class"): while a new 400-object schema compiled in the idle class, 90 % of the streams' gaps
 between tokens stayed within 1.27-1.63 of the step before (no grammar at all: 1.22-1.27),
@@ -36,12 +40,16 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from pagedjax import reserved_cpus
+
 WORKER_NICENESS = 10  # added to the normal-priority compile threads' nice value
 EXPEDITE_AFTER_S = 5.0  # a request waits this long for an idle-class compile, at most
 
 
 def _lower_priority() -> None:
-    """Thread initializer: this thread's nice value + `WORKER_NICENESS` (Linux: per thread)."""
+    """Thread initializer: this thread's nice value + `WORKER_NICENESS` (Linux: per thread),
+    on the reserved CPUs if any (`reserved_cpus`)."""
+    reserved_cpus.pin_to_reserved()
     try:
         tid = threading.get_native_id()
         os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + WORKER_NICENESS)
@@ -51,8 +59,9 @@ def _lower_priority() -> None:
 
 def _idle_priority() -> None:
     """Thread initializer: this thread runs only on CPU time nothing else wants (Linux's
-    SCHED_IDLE, per thread; a thread may always lower itself to it). Elsewhere, or where it
-    is refused, `_lower_priority`."""
+    SCHED_IDLE, per thread; a thread may always lower itself to it), on the reserved CPUs if
+    any (`reserved_cpus`). Elsewhere, or where the idle class is refused, `_lower_priority`."""
+    reserved_cpus.pin_to_reserved()
     try:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     except (AttributeError, OSError):
