@@ -47,7 +47,7 @@ def test_split_refuses_bad_values_naming_the_variable(value, message):
 # Imports pagedjax, runs a jax computation (XLA's thread pool starts), starts the grammar
 # pools' threads, and prints each thread's allowed CPUs by name.
 CHILD = """
-import glob, json, os, threading
+import glob, json, os
 import pagedjax
 import jax.numpy as jnp
 from pagedjax.structured_output.compilation import CompilePools

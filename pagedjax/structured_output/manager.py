@@ -148,7 +148,7 @@ class StructuredOutputManager:
                     self._cache.popitem(last=False)
             else:
                 self._cache.move_to_end(key)
-        return StructuredOutputRequest(so.kind, comp.future, comp)
+        return StructuredOutputRequest(so.kind, comp)
 
     def wait_any(self, requests: list[StructuredOutputRequest], timeout: float) -> None:
         """Blocks until one of `requests`' grammars is ready or `timeout` seconds pass (the

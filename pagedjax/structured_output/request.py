@@ -9,7 +9,6 @@ swapped) keeps it unchanged and the n samples of a prompt each have their own.
 
 from __future__ import annotations
 
-import concurrent.futures
 import time
 from typing import TYPE_CHECKING
 
@@ -24,17 +23,16 @@ class StructuredOutputRequest:
 
     Args:
         kind: the constraint's kind ("json", "regex", "choice", "grammar", "json_object").
-        compiled: a future of the grammar's initial `llguidance.LLMatcher` (never advanced;
-            copied per sequence); it raises the compile error if the grammar is invalid.
-        compilation: what compiles it (`compilation.Compilation`, for `expedite`), if any.
+        compilation: what compiles its grammar (`compilation.Compilation`, shared by every
+            request with the same constraint). Its `future` is `compiled`: the grammar's
+            initial `llguidance.LLMatcher` (never advanced; copied per sequence), raising the
+            compile error if the grammar is invalid.
     """
 
-    def __init__(
-        self, kind: str, compiled: concurrent.futures.Future, compilation: Compilation | None = None
-    ):
+    def __init__(self, kind: str, compilation: Compilation):
         self.kind = kind
-        self.compiled = compiled
         self.compilation = compilation
+        self.compiled = compilation.future
         self.matcher: llg.LLMatcher | None = None
         self.error: str | None = None  # why the sequence cannot go on, once it cannot
 
@@ -43,13 +41,12 @@ class StructuredOutputRequest:
         return self.compiled.done()
 
     def waited(self) -> float:
-        """Seconds since its grammar's compilation started (0 without one)."""
-        return 0.0 if self.compilation is None else time.monotonic() - self.compilation.started
+        """Seconds since its grammar's compilation started."""
+        return time.monotonic() - self.compilation.started
 
     def expedite(self) -> None:
         """Has its grammar also compile at normal priority (`compilation.Compilation`)."""
-        if self.compilation is not None:
-            self.compilation.expedite()
+        self.compilation.expedite()
 
     def compile_error(self) -> str | None:
         """The compile error once compiled (None if it compiled)."""
