@@ -1,14 +1,15 @@
 """The slow-grammar check: what a large schema's compile costs the streams already running.
 
     python -m benchmarks.slow_grammar [--reps 8] [--served-reps 6] [--json-form]
+        [--equal-objects]
         [--out benchmarks/results/slow_grammar.json]
 
 8 unconstrained streams decode on the default model (SmolLM2-135M-Instruct; 32-token prompts
 of the standard workload, greedy, 60 tokens each); after 10 steps a request with a large
-schema (`big_schema(400)`: 400 nested objects, 265 kB, 0.2-0.5 s to compile alone; a new one
-each run, so no cache hit) is added. The gaps between the streams' tokens from the add until
-the grammar is ready are compared with the median step before it: the goal is that no gap
-exceeds two step times (no stream's next token delayed by more than one step).
+schema (`big_schema(400)`: 400 nested objects, no two equal, 265 kB, 0.2-0.6 s to compile
+alone; a new one each run, so no cache hit) is added. The gaps between the streams' tokens
+from the add until the grammar is ready are compared with the median step before it: the goal
+is that no gap exceeds two step times (no stream's next token delayed by more than one step).
 
 `--reps N` runs the check N times for each of these variants, in turn, on `LLMEngine` driven
 in this thread:
@@ -24,13 +25,18 @@ It summarises each: the largest gap over the median step (median, worst, runs ov
 gaps' 90th percentile, how long the request waited for its grammar, and the time the streams
 lost in all (in steps). Then one run with the compile done synchronously on the engine thread
 (as it would be without the pool) gives the contrast, and what adding such a request costs
-the engine's thread (`add_request` against `add_processed` of an input checked elsewhere).
+the engine's thread (`add_request` against `add_processed` of an input checked elsewhere), and
+what sharing repeated subschemas through `$defs` saves a schema of 400 equal objects
+(`shared_subschemas_gain`).
 `--served-reps N` runs `idle` and `before` N times each through `AsyncLLM` (the server's
 engine; gaps between the first stream's tokens as its coroutine receives them, until the big
 request's first token).
 
 With `PAGEDJAX_CPU_NUM_OF_RESERVED_CPU=1` in the environment the steps run on the other cores
 and the compile on the last one (`pagedjax.reserved_cpus`); the result's `env` records it.
+
+`--equal-objects` runs the checks with `big_schema(400, distinct=False)`: 400 equal objects,
+which the manager shares through `$defs` before the compile (`structured_output.shared_subschemas`).
 
 `--json-form` compiles large schemas from llguidance's JSON grammar form, which llguidance
 parses holding the GIL, as the engine did before it inlined them in Lark
@@ -52,10 +58,13 @@ from pathlib import Path
 from benchmarks.common import STANDARD_WORKLOAD, environment, load_workload
 
 _schemas_made = 0
+_EQUAL_OBJECTS = False  # --equal-objects: the checks' schemas repeat one object (shared in $defs)
 
 
-def big_schema(n: int) -> dict:
-    """n required nested objects (5 patterned strings, a 30-value enum, a bounded number)."""
+def big_schema(n: int, distinct: bool = True) -> dict:
+    """n required nested objects (5 patterned strings, a 30-value enum, a bounded number).
+    `distinct`: object i's number is at most 1000 + i, so that no two objects are equal and
+    none is shared through `$defs` (`structured_output.shared_subschemas`): each compiles."""
     item = {
         "type": "object",
         "properties": {
@@ -65,8 +74,46 @@ def big_schema(n: int) -> dict:
         },
         "required": ["e"],
     }
-    props = {f"field_{i}": dict(item) for i in range(n)}
+    props = {}
+    for i in range(n):
+        props[f"field_{i}"] = dict(item)
+        if distinct:
+            bounded = {"type": "number", "minimum": -5, "maximum": 1000 + i}
+            props[f"field_{i}"]["properties"] = item["properties"] | {"n": bounded}
     return {"type": "object", "properties": props, "required": list(props)}
+
+
+def shared_subschemas_gain(mgr, n: int = 400, reps: int = 3) -> dict:
+    """A schema of n equal objects (`big_schema(n, distinct=False)`): its compile as written
+    out and with the objects shared through `$defs` (`shared_form`, what the manager
+    compiles), median seconds over `reps` (a new schema each time), and the rewrite's own
+    milliseconds (`shared_form`: read, rewritten, written)."""
+    import llguidance as llg
+
+    from pagedjax.sampling_params import StructuredOutputsParams
+    from pagedjax.structured_output import grammar
+    from pagedjax.structured_output.shared_subschemas import shared_form
+
+    global _schemas_made
+    tok = mgr._tokenizer.result()
+    plain, shared, rewrite = [], [], []
+    for _ in range(reps):
+        _schemas_made += 1
+        schema = big_schema(n + _schemas_made, distinct=False)
+        text = grammar.grammar_text(StructuredOutputsParams(json=schema))
+        t0 = time.perf_counter()
+        text_shared = shared_form(text)
+        rewrite.append(time.perf_counter() - t0)
+        for out, t in ((plain, text), (shared, text_shared)):
+            t0 = time.perf_counter()
+            llg.LLMatcher(tok, t, log_level=0)
+            out.append(time.perf_counter() - t0)
+    return {
+        "objects": n,
+        "compile_written_out_s": statistics.median(plain),
+        "compile_shared_s": statistics.median(shared),
+        "rewrite_ms": 1e3 * statistics.median(rewrite),
+    }
 
 
 VARIANTS = ("idle", "before", "none")
@@ -113,7 +160,7 @@ def slow_grammar(
     added_at = ready_at = None
     global _schemas_made
     _schemas_made += 1
-    schema = big_schema(400 + _schemas_made)  # a new schema each time: no cache hit
+    schema = big_schema(400 + _schemas_made, not _EQUAL_OBJECTS)  # new each time: no cache hit
     so = None if variant == "none" else StructuredOutputsParams(json=schema)
     compiles0 = mgr.stats["compile_s"]
     try:
@@ -223,7 +270,7 @@ def slow_grammar_served(llm, reqs: list[dict], reps: int, variants: tuple) -> li
                     raise RuntimeError("a stream ended before its 10th token")
             await asyncio.sleep(0.0005)
         _schemas_made += 1
-        so = StructuredOutputsParams(json=big_schema(400 + _schemas_made))
+        so = StructuredOutputsParams(json=big_schema(400 + _schemas_made, not _EQUAL_OBJECTS))
         params = SamplingParams(temperature=0.0, max_tokens=4, structured_outputs=so)
         added_at, first = time.perf_counter(), None
         leave_a_core(variant == "before")
@@ -331,6 +378,8 @@ def run(llm, reqs: list[dict], reps: int, served_reps: int) -> tuple[list[dict],
     print("slow grammar summary", json.dumps(slow_summary))
     slow_summary["engine_thread_add"] = add_cost(llm.llm_engine)
     print("engine thread's cost of an add", json.dumps(slow_summary["engine_thread_add"]))
+    slow_summary["shared_subschemas"] = shared_subschemas_gain(mgr)
+    print("shared subschemas", json.dumps(slow_summary["shared_subschemas"]))
     if served_reps:
         served = slow_grammar_served(llm, reqs, served_reps, tuple(timed))
         slow_summary["served"] = {
@@ -347,11 +396,14 @@ def main(argv=None) -> None:
     ap.add_argument("--reps", type=int, default=8, help="in-process runs of each variant")
     ap.add_argument("--served-reps", type=int, default=6, help="runs each way through AsyncLLM")
     ap.add_argument("--json-form", action="store_true", help="large schemas in the JSON form")
+    ap.add_argument("--equal-objects", action="store_true", help="schemas of 400 equal objects")
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--out", default="benchmarks/results/slow_grammar.json")
     ns = ap.parse_args(argv)
     if ns.json_form:
         use_json_form()
+    global _EQUAL_OBJECTS
+    _EQUAL_OBJECTS = ns.equal_objects
 
     from benchmarks.structured_outputs import run_variant
     from pagedjax import LLM
@@ -362,6 +414,7 @@ def main(argv=None) -> None:
     slow, summary = run(llm, reqs, ns.reps, ns.served_reps)
     env = environment() | {
         "json_form": ns.json_form,
+        "equal_objects": ns.equal_objects,
         "GLIBC_TUNABLES": os.environ.get("GLIBC_TUNABLES"),
         "MALLOC_ARENA_MAX": os.environ.get("MALLOC_ARENA_MAX"),
         "PAGEDJAX_CPU_NUM_OF_RESERVED_CPU": os.environ.get("PAGEDJAX_CPU_NUM_OF_RESERVED_CPU"),

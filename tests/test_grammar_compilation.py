@@ -157,3 +157,24 @@ def test_the_wait_queue_expedites_after_the_wait_or_when_idle():
     assert q.take_done(mgr, idle=True) == ([], [])
     assert short.structured_output.expedited == 1 and len(q) == 2
     assert len(mgr.waits) == 1 and mgr.waits[0][0] == 2
+
+
+def test_python_work_of_a_compile_runs_on_the_normal_thread(pools):
+    def name() -> str:
+        return threading.current_thread().name
+
+    # from an idle-class thread: on the normal one; from the normal one: there (no deadlock)
+    assert (
+        pools.idle.submit(pools.run_holding_gil, name)
+        .result(30)
+        .startswith(comp_mod.NORMAL_THREAD_NAME)
+    )
+    assert (
+        pools.normal.submit(pools.run_holding_gil, name)
+        .result(30)
+        .startswith(comp_mod.NORMAL_THREAD_NAME)
+    )
+    with pytest.raises(ZeroDivisionError):  # its error reaches the caller
+        pools.run_holding_gil(lambda: 1 / 0)
+    pools.shutdown()
+    assert pools.run_holding_gil(name) == threading.current_thread().name  # shut down: here

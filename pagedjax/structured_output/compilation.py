@@ -44,6 +44,7 @@ from pagedjax import reserved_cpus
 
 WORKER_NICENESS = 10  # added to the normal-priority compile threads' nice value
 EXPEDITE_AFTER_S = 5.0  # a request waits this long for an idle-class compile, at most
+NORMAL_THREAD_NAME = "pagedjax-grammar-normal"  # the normal-priority pool's thread's name
 
 
 def _lower_priority() -> None:
@@ -82,8 +83,21 @@ class CompilePools:
             workers, "pagedjax-grammar", initializer=_idle_priority
         )
         self.normal = concurrent.futures.ThreadPoolExecutor(
-            1, "pagedjax-grammar-normal", initializer=_lower_priority
+            1, NORMAL_THREAD_NAME, initializer=_lower_priority
         )
+
+    def run_holding_gil(self, fn: Callable[..., Any], *args) -> Any:
+        """fn(*args) on the normal-priority thread (here if this is that thread, or the pools
+        are shut down), for a compile's Python work: an idle-class thread holding the GIL could
+        be starved while the engine thread waits for it. Blocks until it returns; raises what
+        it raises."""
+        if threading.current_thread().name.startswith(NORMAL_THREAD_NAME):
+            return fn(*args)
+        try:
+            run = self.normal.submit(fn, *args)
+        except RuntimeError:  # shut down
+            return fn(*args)
+        return run.result()
 
     def shutdown(self) -> None:
         self.idle.shutdown(wait=False, cancel_futures=True)

@@ -21,7 +21,8 @@ A schema longer than `SYNC_VALIDATION_MAX_CHARS` is inlined in a Lark grammar (`
 llguidance parses the JSON form while it holds the GIL, before it compiles (5-8 ms for a 265
 kB schema, which stalled the engine thread's step by that much), and reads the Lark form
 without parsing it, parsing it later with the GIL dropped. Both forms give the same token
-masks (tests/test_structured_large_schema.py walks them side by side).
+masks (tests/test_structured_large_schema.py walks them side by side). When such a schema compiles,
+its repeated subschemas are first moved into its `$defs` (`shared_subschemas.shared_form`).
 """
 
 from __future__ import annotations

@@ -4,11 +4,12 @@ Compilation: the first request with a given constraint starts its grammar's comp
 (`compilation.Compilation`: on a thread pool in Linux's idle scheduling class, so that it takes
 only CPU time the steps leave; expedited to a normal-priority thread when its request has
 waited too long, see `compilation`); llguidance drops the GIL while it compiles, once it has
-read the grammar text (see `grammar` for a large schema's). Later requests with an equal
-constraint (the same `grammar.grammar_text`, built once per request when it is validated)
-share the cached compilation (an LRU of `CACHE_SIZE` grammars). A request waits in the
-scheduler until its grammar is ready (vLLM's WAITING_FOR_FSM), so a slow grammar delays only
-itself.
+read the grammar text (see `grammar` for a large schema's, whose repeated subschemas are
+first shared through `$defs` on the normal-priority thread: `shared_subschemas`). Later
+requests with an equal constraint (the same `grammar.grammar_text`, built once per request
+when it is validated) share the cached compilation (an LRU of `CACHE_SIZE` grammars). A
+request waits in the scheduler until its grammar is ready (vLLM's WAITING_FOR_FSM), so a
+slow grammar delays only itself.
 
 The llguidance tokenizer (the engine's Hugging Face tokenizer, as `llguidance.LLTokenizer`)
 is built once per engine, on the normal-priority thread (its conversion holds the GIL
@@ -44,6 +45,7 @@ from pagedjax.sampling_params import StructuredOutputsParams
 from pagedjax.structured_output.compilation import Compilation, CompilePools
 from pagedjax.structured_output.grammar import compile_error_message, grammar_text
 from pagedjax.structured_output.request import StructuredOutputRequest
+from pagedjax.structured_output.shared_subschemas import shared_form
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +113,7 @@ class StructuredOutputManager:
         """On a pool's thread: [the grammar's matcher (perhaps in error), its seconds]."""
         tokenizer = self._tokenizer.result()
         t0 = time.perf_counter()
+        text = self._pools.run_holding_gil(shared_form, text)  # repeated subschemas shared
         matcher = llg.LLMatcher(tokenizer, text, log_level=0)
         return [matcher, time.perf_counter() - t0]
 
