@@ -178,3 +178,23 @@ def test_python_work_of_a_compile_runs_on_the_normal_thread(pools):
         pools.run_holding_gil(lambda: 1 / 0)
     pools.shutdown()
     assert pools.run_holding_gil(name) == threading.current_thread().name  # shut down: here
+
+
+class Named:
+    """Records the name of the thread that frees it."""
+
+    def __init__(self, freed: list):
+        self.freed = freed
+
+    def __del__(self):
+        self.freed.append(threading.current_thread().name)
+
+
+def test_release_frees_on_the_normal_thread(pools):
+    freed: list[str] = []
+    pools.release([Named(freed)])
+    pools.normal.submit(lambda: None).result(30)  # after the release's task
+    assert len(freed) == 1 and freed[0].startswith(comp_mod.NORMAL_THREAD_NAME)
+    pools.shutdown()
+    pools.release([Named(freed)])  # shut down: freed here
+    assert freed[1] == threading.current_thread().name

@@ -270,3 +270,20 @@ def test_the_manager_shares_them_on_the_normal_priority_thread(tiny_llama_dir, m
     finally:
         mgr.shutdown()
     assert len(seen) == 1 and seen[0][0].startswith(NORMAL_THREAD_NAME) and seen[0][1]
+
+
+def test_the_manager_releases_an_evicted_grammar_off_its_thread(tiny_llama_dir, monkeypatch):
+    monkeypatch.setattr(manager_mod, "CACHE_SIZE", 1)
+    mgr = manager_mod.StructuredOutputManager(
+        AutoTokenizer.from_pretrained(tiny_llama_dir), vocab_size=320, eos_token_id=2
+    )
+    released = []
+    monkeypatch.setattr(mgr._pools, "release", released.append)
+    try:
+        first = mgr.new_request(SO(regex="[a-c]{2}")).compilation
+        mgr.new_request(SO(regex="[a-c]{2}"))  # a hit: nothing evicted
+        assert released == []
+        mgr.new_request(SO(regex="[d-f]{2}"))
+        assert released == [[first]]
+    finally:
+        mgr.shutdown()

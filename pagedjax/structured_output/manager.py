@@ -147,8 +147,8 @@ class StructuredOutputManager:
                     functools.partial(self._finish, text),
                 )
                 self._cache[key] = comp
-                while len(self._cache) > CACHE_SIZE:
-                    self._cache.popitem(last=False)
+                while len(self._cache) > CACHE_SIZE:  # the oldest freed off this thread
+                    self._pools.release([self._cache.popitem(last=False)[1]])
             else:
                 self._cache.move_to_end(key)
         return StructuredOutputRequest(so.kind, comp)
