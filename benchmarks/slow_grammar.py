@@ -29,8 +29,8 @@ the engine's thread (`add_request` against `add_processed` of an input checked e
 what sharing repeated subschemas through `$defs` saves a schema of 400 equal objects
 (`shared_subschemas_gain`).
 `--served-reps N` runs `idle` and `before` N times each through `AsyncLLM` (the server's
-engine; gaps between the first stream's tokens as its coroutine receives them, until the big
-request's first token).
+engine, its heap frozen as the server freezes it; gaps between the first stream's tokens as
+its coroutine receives them, until the big request's first token).
 
 With `PAGEDJAX_CPU_NUM_OF_RESERVED_CPU=1` in the environment the steps run on the other cores
 and the compile on the last one (`pagedjax.reserved_cpus`); the result's `env` records it.
@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import gc
 import json
 import os
 import statistics
@@ -250,6 +251,8 @@ def slow_grammar_served(llm, reqs: list[dict], reps: int, variants: tuple) -> li
 
     eng = AsyncLLM(llm.llm_engine)
     mgr = llm.llm_engine.structured_output
+    gc.collect()  # the heap out of the collector's way, as the server freezes it after start-up
+    gc.freeze()  # (`api_server._freeze_gc_heap`; a full collection here took 270 ms)
 
     async def once(tag: str, variant: str) -> dict:
         global _schemas_made
