@@ -228,11 +228,11 @@ def test_a_large_schema_compiles_its_shared_form(lltok):
     _walk(lltok, shared, llg.LLMatcher.grammar_from_json_schema(json.dumps(schema)), seed=1)
 
 
-def _bigint_text() -> str:
-    """A large repetitive schema as text, with an integer orjson does not read (beyond 64 bits)."""
+def _text_with(number: str) -> str:
+    """A large repetitive schema as text, with a number orjson would not write back as it is."""
     schema = repetitive_schema(80)
-    schema["properties"]["big"] = {"const": 10**30}
-    return json.dumps(schema)
+    schema["properties"]["big"] = {"const": 0}
+    return json.dumps(schema).replace('{"const": 0}', '{"const": ' + number + "}")
 
 
 @pytest.mark.parametrize(
@@ -240,12 +240,13 @@ def _bigint_text() -> str:
     [
         SO(json=repetitive_schema(2)),  # small: llguidance's JSON form
         SO(regex="[a-z]{3}"),
-        SO(json=_bigint_text()),
+        SO(json=_text_with("1" + "0" * 30)),  # beyond 64 bits
+        SO(json=_text_with("1e400")),  # beyond a double
         SO(
             json={"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(900)}}
         ),
     ],
-    ids=["small", "regex", "bigint", "nothing-repeated"],
+    ids=["small", "regex", "bigint", "huge-float", "nothing-repeated"],
 )
 def test_other_texts_compile_as_they_are(so):
     text = grammar_mod.grammar_text(so)

@@ -28,6 +28,7 @@ as it is where moving a node could change what a reference means: a `$ref` other
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 import orjson
@@ -186,16 +187,25 @@ def _no_constant(name: str) -> float:
     raise ValueError(f"{name} is not JSON")
 
 
+def _finite(text: str) -> float:
+    x = float(text)
+    if not math.isfinite(x):  # 1e400: orjson would write null
+        raise ValueError(f"{text} is out of range")
+    return x
+
+
 def shared_form(text: str) -> str:
     """Grammar text `text` to compile: a schema inlined in Lark (`INLINE_JSON` + its JSON) with
     its shared subschemas in `$defs` (`hoist_shared_subschemas`); any other text, or one whose
     schema needs no rewrite, or whose numbers would not be written back as they were read (an
-    integer beyond 64 bits, NaN), as it is. (Read with `json`, which keeps every integer; orjson
-    would read a large one as a float.)"""
+    integer beyond 64 bits, NaN, 1e400), as it is. (Read with `json`, which keeps every
+    integer; orjson would read a large one as a float.)"""
     if not text.startswith(INLINE_JSON):
         return text
     try:
-        schema = json.loads(text[len(INLINE_JSON) :], parse_constant=_no_constant)
+        schema = json.loads(
+            text[len(INLINE_JSON) :], parse_constant=_no_constant, parse_float=_finite
+        )
     except ValueError:
         return text
     if not isinstance(schema, dict):
