@@ -93,9 +93,9 @@ def test_key_order_matters_and_data_keywords_are_not_schemas():
     ],
 )
 def test_scopes_and_path_references_leave_the_schema_as_it_is(extra):
-    schema = {"type": "object", "properties": {"a": ADDRESS, "b": ADDRESS}}
-    for k, v in extra.items():
-        schema[k] = schema.get(k, {}) | v if isinstance(v, dict) and k in schema else v
+    plain = {"type": "object", "properties": {"a": ADDRESS, "b": ADDRESS}}
+    assert hoist_shared_subschemas(plain, min_chars=50) is not plain  # shared without `extra`
+    schema = plain | extra | {"properties": plain["properties"] | extra.get("properties", {})}
     assert hoist_shared_subschemas(schema, min_chars=50) is schema
 
 
