@@ -10,7 +10,7 @@ compile takes CPU time from the steps of the others.
 
 `hoist_shared_subschemas` does this rewrite; `shared_form` applies it to a large schema's
 grammar text (`grammar.INLINE_JSON`) just before it compiles. The rewrite is Python and holds
-the GIL (6-16 ms for a 265 kB schema, whether or not anything repeats), so the manager runs it
+the GIL (6-21 ms for a 265 kB schema, whether or not anything repeats), so the manager runs it
 on the normal-priority compile thread (`CompilePools.run_holding_gil`): neither on the thread
 that adds the request (often the engine's) nor on an idle-class thread, which could be starved
 while holding the GIL.
