@@ -43,7 +43,7 @@ import numpy as np
 
 from pagedjax.sampling_params import StructuredOutputsParams
 from pagedjax.structured_output.compilation import Compilation, CompilePools
-from pagedjax.structured_output.grammar import compile_error_message, grammar_text
+from pagedjax.structured_output.grammar import INLINE_JSON, compile_error_message, grammar_text
 from pagedjax.structured_output.request import StructuredOutputRequest
 from pagedjax.structured_output.shared_subschemas import shared_form
 
@@ -113,7 +113,8 @@ class StructuredOutputManager:
         """On a pool's thread: [the grammar's matcher (perhaps in error), its seconds]."""
         tokenizer = self._tokenizer.result()
         t0 = time.perf_counter()
-        text = self._pools.run_holding_gil(shared_form, text)  # repeated subschemas shared
+        if text.startswith(INLINE_JSON):  # a large schema: its repeated subschemas shared
+            text = self._pools.run_holding_gil(shared_form, text)
         matcher = llg.LLMatcher(tokenizer, text, log_level=0)
         return [matcher, time.perf_counter() - t0]
 

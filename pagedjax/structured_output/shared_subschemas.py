@@ -65,9 +65,9 @@ _SCOPE_KEYWORDS = frozenset(
 )
 
 
-def _children(node: dict) -> list[tuple[Any, Any]]:
-    """(container, key) of each subschema directly under schema `node` (dicts only: boolean
-    schemas have nothing to share)."""
+def _children(node: dict) -> list[dict]:
+    """The subschemas directly under schema `node` (dicts only: boolean schemas have nothing to
+    share)."""
     out = []
     for kw, value in node.items():
         kind = _KIND.get(kw)
@@ -75,11 +75,11 @@ def _children(node: dict) -> list[tuple[Any, Any]]:
             continue
         if isinstance(value, dict):
             if kind & _MAP:
-                out += [(value, k) for k, v in value.items() if isinstance(v, dict)]
+                out += [v for v in value.values() if isinstance(v, dict)]
             elif kind & _VALUE:
-                out.append((node, kw))
+                out.append(value)
         elif isinstance(value, list) and kind & _LIST:
-            out += [(value, i) for i, v in enumerate(value) if isinstance(v, dict)]
+            out += [v for v in value if isinstance(v, dict)]
     return out
 
 
@@ -104,8 +104,7 @@ def _survey(root: dict) -> dict[bytes, int] | None:
         node = stack.pop()
         if not _SCOPE_KEYWORDS.isdisjoint(node) or ("$ref" in node and not _movable(node["$ref"])):
             return None
-        for container, key in _children(node):
-            child = container[key]
+        for child in _children(node):
             text = orjson.dumps(child)
             counts[text] = counts.get(text, 0) + 1
             stack.append(child)
