@@ -19,15 +19,20 @@ in this thread:
              grammar is ready. Moving a thread out of the idle class needs CAP_SYS_NICE: without
              it this variant is skipped.
     none     no grammar: an unconstrained request added at the same step, and the gaps of the
-             steps that follow (as many as the longest `idle` run had): this machine's own
-             spread of step times, to read the others against.
+             50 steps that follow: this machine's own spread of step times, to read the
+             others against.
+    loop     no grammar, and a process in the idle class that only spins (no memory, no GIL,
+             nothing shared with the engine) from the add for those 50 steps: what any CPU
+             work in the idle class costs the steps on this machine, to read `idle` against.
+The variants of one repetition run in turn, in an order that alternates between repetitions,
+so that the machine's drift over the run falls on all of them alike.
 It summarises each: the largest gap over the median step (median, worst, runs over 2), the
-gaps' 90th percentile, how long the request waited for its grammar, and the time the streams
-lost in all (in steps). Then one run with the compile done synchronously on the engine thread
-(as it would be without the pool) gives the contrast, and what adding such a request costs
-the engine's thread (`add_request` against `add_processed` of an input checked elsewhere), and
-what sharing repeated subschemas through `$defs` saves a schema of 400 equal objects
-(`shared_subschemas_gain`).
+gaps' 90th and 99th percentiles and how many exceed two steps, how long the request waited
+for its grammar, and the time the streams lost in all (in steps). Then one run with the
+compile done synchronously on the engine thread (as it would be without the pool) gives the
+contrast, and what adding such a request costs the engine's thread (`add_request` against
+`add_processed` of an input checked elsewhere), and what sharing repeated subschemas through
+`$defs` saves a schema of 400 equal objects (`shared_subschemas_gain`).
 `--served-reps N` runs `idle` and `before` N times each through `AsyncLLM` (the server's
 engine, its heap frozen as the server freezes it; gaps between the first stream's tokens as
 its coroutine receives them, until the big request's first token).
@@ -53,6 +58,8 @@ import gc
 import json
 import os
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -117,7 +124,10 @@ def shared_subschemas_gain(mgr, n: int = 400, reps: int = 3) -> dict:
     }
 
 
-VARIANTS = ("idle", "before", "none")
+VARIANTS = ("idle", "before", "none", "loop")
+NO_GRAMMAR = ("none", "loop")  # variants whose request has no grammar
+# the `loop` variant's process: it waits for a byte on stdin, then spins until killed
+SPIN = "import sys\nsys.stdin.buffer.read(1)\nwhile True: pass"
 
 
 def set_compile_class(mgr, variant: str) -> None:
@@ -144,7 +154,7 @@ def slow_grammar(
 ) -> dict:
     """8 unconstrained streams; a large-schema request added after 10 steps. Gaps between the
     streams' steps while its grammar compiles, against the median step before (`VARIANTS`;
-    `none`: the first `none_gaps` gaps after an unconstrained request is added)."""
+    `none`, `loop`: the first `none_gaps` gaps after an unconstrained request is added)."""
     from pagedjax import SamplingParams
     from pagedjax.sampling_params import StructuredOutputsParams
 
@@ -162,7 +172,9 @@ def slow_grammar(
     global _schemas_made
     _schemas_made += 1
     schema = big_schema(400 + _schemas_made, not _EQUAL_OBJECTS)  # new each time: no cache hit
-    so = None if variant == "none" else StructuredOutputsParams(json=schema)
+    so = None if variant in NO_GRAMMAR else StructuredOutputsParams(json=schema)
+    # started now, as forking this process takes the engine thread tens of milliseconds
+    spinner = spin_in_idle_class() if variant == "loop" else None
     compiles0 = mgr.stats["compile_s"]
     try:
         while eng.has_unfinished_requests():
@@ -175,18 +187,26 @@ def slow_grammar(
                 params = SamplingParams(temperature=0.0, max_tokens=8, structured_outputs=so)
                 eng.add_request("big", "Fill the form:", params)
                 leave_a_core(variant == "before")
+                if spinner is not None:  # it spins from now on
+                    spinner.stdin.write(b"x")
+                    spinner.stdin.flush()
                 if synchronous:  # what the engine thread would pay without the pool
                     mgr.wait_any([eng.scheduler.requests["big"].structured_output], 60)
             waiting = eng.scheduler.stats().num_waiting_for_grammar
             if added_at is not None and ready_at is None and waiting == 0:
                 ready_at = now
                 leave_a_core(False)
+            if spinner is not None and len(stamps) > 10 + none_gaps:
+                spinner.kill()
     finally:
+        if spinner is not None:
+            spinner.kill()
+            spinner.wait()
         leave_a_core(False)
         set_compile_class(mgr, "idle")
     before = [b - a for a, b in zip(stamps[:9], stamps[1:10], strict=True)]
     gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
-    if variant == "none":
+    if variant in NO_GRAMMAR:
         during = gaps[9 : 9 + none_gaps]
     else:
         during = [g for g, b in zip(gaps, stamps[1:], strict=True) if added_at <= b <= ready_at]
@@ -197,11 +217,23 @@ def slow_grammar(
         "synchronous_compile": synchronous,
         "median_step_before_s": step,
         "compile_s": mgr.stats["compile_s"] - compiles0,
-        "grammar_wait_s": 0.0 if variant == "none" else ready_at - added_at,
+        "grammar_wait_s": 0.0 if variant in NO_GRAMMAR else ready_at - added_at,
         "max_gap_while_compiling_s": max(during),
         "gaps_while_compiling_s": during,
         "max_gap_over_median_step": max(during) / step,
     }
+
+
+def spin_in_idle_class() -> subprocess.Popen:
+    """A process in Linux's idle class that spins on one thread from the first byte written
+    to its stdin until killed (`loop`)."""
+
+    def idle_class() -> None:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+
+    return subprocess.Popen(
+        [sys.executable, "-c", SPIN], stdin=subprocess.PIPE, preexec_fn=idle_class
+    )
 
 
 def add_cost(eng, reps: int = 5) -> dict:
@@ -308,7 +340,8 @@ def slow_grammar_served(llm, reqs: list[dict], reps: int, variants: tuple) -> li
 
 def summarize(runs: list[dict]) -> dict:
     """One variant's runs: the largest gap over the median step (median, worst, runs over 2),
-    the gaps' 90th percentile, the grammar's wait, and the streams' lost time in steps."""
+    the gaps' 90th and 99th percentiles and how many of them exceed two steps, the grammar's
+    wait, and the streams' lost time in steps."""
     ratios = [r["max_gap_over_median_step"] for r in runs]
     rel = sorted(g / r["median_step_before_s"] for r in runs for g in r["gaps_while_compiling_s"])
     # the time the streams lost while it compiled, in steps: sum over gaps of (gap - step)
@@ -323,6 +356,8 @@ def summarize(runs: list[dict]) -> dict:
         "worst": max(ratios),
         "runs_over_2": sum(x > 2.0 for x in ratios),
         "gap_p90_over_median_step": rel[int(0.9 * (len(rel) - 1))],
+        "gap_p99_over_median_step": rel[int(0.99 * (len(rel) - 1))],
+        "gaps_over_2": f"{sum(x > 2.0 for x in rel)} of {len(rel)}",
         "median_gaps": statistics.median(len(r["gaps_while_compiling_s"]) for r in runs),
         "median_grammar_wait_s": statistics.median(r["grammar_wait_s"] for r in runs),
         "median_extra_steps": statistics.median(extra),
@@ -357,15 +392,14 @@ def run(llm, reqs: list[dict], reps: int, served_reps: int) -> tuple[list[dict],
     cost, and `served_reps` times each way through AsyncLLM (which takes the engine over from
     `llm`: call last). Returns the runs and their summary."""
     mgr = llm.llm_engine.structured_output
-    variants = VARIANTS if can_leave_idle_class(mgr) else ("idle", "none")
-    timed = [v for v in variants if v != "none"]
+    variants = VARIANTS
+    if not can_leave_idle_class(mgr):
+        variants = tuple(v for v in VARIANTS if v != "before")
+    timed = [v for v in variants if v not in NO_GRAMMAR]
     slow = []
-    for rep in range(reps):  # alternating the order
-        for variant in timed if rep % 2 == 0 else timed[::-1]:
+    for rep in range(reps):  # in turn, the order alternating
+        for variant in variants if rep % 2 == 0 else variants[::-1]:
             slow.append(slow_grammar(llm, reqs, False, variant))
-    if "none" in variants:  # as many gaps as the idle runs had at most
-        most = max((len(s["gaps_while_compiling_s"]) for s in slow), default=50)
-        slow += [slow_grammar(llm, reqs, False, "none", none_gaps=most) for _ in range(reps)]
     slow.append(slow_grammar(llm, reqs, True))
     for s in slow:
         print(
