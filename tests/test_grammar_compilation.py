@@ -5,6 +5,7 @@ else to run, and the first run to finish gives the result."""
 
 from __future__ import annotations
 
+import gc
 import os
 import threading
 
@@ -65,7 +66,8 @@ def test_a_compilation_starts_in_the_idle_class_and_expedites_to_normal_priority
     losing idle run's result is freed on the normal thread (freeing a matcher holds the GIL)."""
     nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     held, finished = Held(), []
-    c = Compilation(pools, held, lambda r: finished.append(r[0]) or r[0].upper())
+    # finish keeps the Tracked, as the manager's keeps the matcher out of the run's result
+    c = Compilation(pools, held, lambda r: finished.append(r[0]) or (r[0].upper(), r[1]))
     assert held.started.acquire(timeout=30)
     assert held.where == [(os.SCHED_IDLE, nice)]
     assert not c.future.done() and not c.expedited
@@ -74,11 +76,11 @@ def test_a_compilation_starts_in_the_idle_class_and_expedites_to_normal_priority
     assert held.started.acquire(timeout=30)
     assert held.where[1] == (os.SCHED_OTHER, min(nice + comp_mod.WORKER_NICENESS, 19))
     held.release["normal"].set()
-    assert c.future.result(30) == "NORMAL"
+    assert c.future.result(30)[0] == "NORMAL"
     held.release["idle"].set()  # the idle run ends later: its result is freed, not there
     pools.idle.submit(lambda: None).result(30)  # the idle run is done, and settled
     pools.normal.submit(lambda: None).result(30)  # and the normal thread has freed it
-    assert c.future.result() == "NORMAL" and finished == ["normal"]
+    assert c.future.result()[0] == "NORMAL" and finished == ["normal"]
     assert len(held.where) == 2 and held.freed == [os.SCHED_OTHER]
 
 
@@ -198,3 +200,41 @@ def test_release_frees_on_the_normal_thread(pools):
     pools.shutdown()
     pools.release([Named(freed)])  # shut down: freed here
     assert freed[1] == threading.current_thread().name
+
+
+@pytest.fixture
+def no_cyclic_gc():
+    """Python's cyclic collector off: what is freed is freed by reference counting, where its
+    last reference goes."""
+    was = gc.isenabled()
+    gc.disable()
+    yield
+    if was:
+        gc.enable()
+
+
+def test_a_settled_compilation_is_freed_where_its_last_reference_goes(pools, no_cyclic_gc):
+    """Once every run has settled (one run; an expedited one that lost; one cancelled), the
+    compilation is in no reference cycle: released, it and its result are freed on the
+    normal-priority thread, not whenever the cyclic collector runs, on any thread (it was
+    kept alive by its runs' callbacks)."""
+    block = threading.Event()
+    pools.normal.submit(block.wait, 30)  # the expedited run of `cancelled` queues behind it
+    freed: list[str] = []
+    plain = Compilation(pools, lambda: [Named(freed)], lambda r: r[0])
+    held = Held()
+    raced = Compilation(pools, held, lambda r: Named(freed))
+    assert held.started.acquire(timeout=30)
+    cancelled = Compilation(pools, lambda: ["x"], lambda r: Named(freed))
+    cancelled.expedite()  # queued on the normal thread, then cancelled by the idle run's result
+    held.release["idle"].set()
+    for c in (plain, raced, cancelled):
+        c.future.result(30)
+    block.set()
+    raced.expedite()  # after the result: nothing runs
+    pools.normal.submit(lambda: None).result(30)
+    assert held.where[1:] == [] and freed == []
+    pools.release([plain, raced, cancelled])
+    del plain, raced, cancelled, c
+    pools.normal.submit(lambda: None).result(30)
+    assert len(freed) == 3 and all(f.startswith(comp_mod.NORMAL_THREAD_NAME) for f in freed)

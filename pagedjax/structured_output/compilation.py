@@ -149,6 +149,8 @@ class Compilation:
         except RuntimeError:  # the pools are shut down
             with self._lock:
                 self._runs -= 1
+                if self._runs == 0:
+                    self._forget_runs()
             return
         self._submitted.append(run)
         run.add_done_callback(self._settle)
@@ -156,22 +158,35 @@ class Compilation:
     def _settle(self, run: concurrent.futures.Future) -> None:
         with self._lock:
             self._runs -= 1
-            if self.future.done():
-                self._discard(run)
-                return
-            if run.cancelled():
-                if self._runs == 0:
-                    self.future.cancel()
-                    self.future.set_running_or_notify_cancel()  # wakes its waiters
-                return
             try:
-                result = self._finish(run.result())
-            except Exception as e:  # the compile's own error, or finish's
-                self.future.set_exception(e)
-            else:
-                self.future.set_result(result)
-        for other in self._submitted:  # a run still queued need not start (outside the lock:
+                if self.future.done():
+                    self._discard(run)
+                    return
+                if run.cancelled():
+                    if self._runs == 0:
+                        self.future.cancel()
+                        self.future.set_running_or_notify_cancel()  # wakes its waiters
+                    return
+                try:
+                    result = self._finish(run.result())
+                except Exception as e:  # the compile's own error, or finish's
+                    self.future.set_exception(e)
+                else:
+                    self.future.set_result(result)
+                pending = self._submitted
+            finally:
+                if self._runs == 0:  # every run settled: see `_forget_runs`
+                    self._forget_runs()
+        for other in pending:  # a run still queued need not start (outside the lock:
             other.cancel()  # cancelling runs its callback, this method, here)
+
+    def _forget_runs(self) -> None:
+        """Drops the runs' futures once each has settled. Each holds `_settle` bound to this
+        object, so while this object holds them it is in a reference cycle, which only Python's
+        cyclic collector frees, on whatever thread it happens to run (often the engine's);
+        without the cycle it is freed where its last reference goes, which
+        `CompilePools.release` puts on the normal-priority thread."""
+        self._submitted = []
 
     def _discard(self, run: concurrent.futures.Future) -> None:
         """Frees a losing run's result on the normal-priority thread: freeing a large matcher
