@@ -8,10 +8,12 @@ other requests finish untouched; a grammar that fails late ends only its request
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import re
 import threading
+import weakref
 
 import jsonschema_rs
 import llguidance as llg
@@ -490,6 +492,42 @@ def test_json_with_a_real_bpe_vocabulary(smol_llm):
             jsonschema_rs.validate(SCHEMA, json.loads(c.text))
     finally:
         rec.close()
+
+
+def test_a_grammar_evicted_while_its_request_runs_is_freed_off_the_engine_thread(llm, monkeypatch):
+    """With a cache of one, a running request's grammar is evicted by another request's; when
+    the first request ends, its grammar (the compilation, and the request's own matcher, which
+    shares its parts) is freed on the normal-priority compile thread, not on the thread that
+    steps the engine (freeing a 400-object schema's grammar holds the GIL 8-13 ms). It was
+    freed on the engine thread (or by the cyclic collector, wherever that ran)."""
+    monkeypatch.setattr(manager_mod, "CACHE_SIZE", 1)
+    eng = llm.llm_engine
+    mgr = eng.structured_output
+    freed: list[str] = []
+
+    def params(regex: str) -> SamplingParams:
+        return SamplingParams(temperature=0, max_tokens=6, structured_outputs=SO(regex=regex))
+
+    was_enabled = gc.isenabled()
+    gc.disable()  # freed by reference counting, where the last reference goes
+    try:
+        eng.add_request("first", {"prompt_token_ids": [40, 41]}, params("[a-c]{6}"))
+        while not eng.scheduler.requests["first"].output_token_ids:
+            eng.step()
+        so = eng.scheduler.requests["first"].structured_output
+        assert so.matcher is not None
+        weakref.finalize(so.compilation, lambda: freed.append(threading.current_thread().name))
+        eng.add_request("second", {"prompt_token_ids": [42]}, params("[d-f]{6}"))
+        assert all(c is not so.compilation for c in mgr._cache.values())  # evicted
+        while eng.has_unfinished_requests():
+            eng.step()
+        mgr._pools.normal.submit(lambda: None).result(30)  # after the releases' tasks
+    finally:
+        if was_enabled:
+            gc.enable()
+    assert so.compilation is None and so.matcher is None
+    assert len(freed) == 1 and freed[0].startswith(compilation.NORMAL_THREAD_NAME), freed
+    _assert_pool_whole(llm)
 
 
 def test_constraint_is_read_once_when_added(llm, monkeypatch):

@@ -160,12 +160,14 @@ class Scheduler:
         return reqs
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
-        """Marks a request finished and frees its blocks; a sibling waiting for its prompt
-        takes its place."""
+        """Marks a request finished and frees its blocks and its grammar state; a sibling
+        waiting for its prompt takes its place."""
         request.status = status
         if request.detokenizer is not None:
             request.detokenizer.flush(request.output_token_ids)
         self.kv.free(request)
+        if request.structured_output is not None and self.structured_output is not None:
+            self.structured_output.release(request.structured_output)
         if self.spec is not None:
             self.spec.forget(request.request_id)
         self.finished_req_ids.add(request.request_id)

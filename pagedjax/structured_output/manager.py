@@ -154,6 +154,12 @@ class StructuredOutputManager:
                 self._cache.move_to_end(key)
         return StructuredOutputRequest(so.kind, comp)
 
+    def release(self, request: StructuredOutputRequest) -> None:
+        """Lets go of an ended sequence's grammar on the normal-priority thread: where the
+        cache has evicted its grammar, the sequence held the last references, and freeing them
+        on the engine thread would stall the steps (`StructuredOutputRequest.release`)."""
+        self._pools.release(request.release())
+
     def wait_any(self, requests: list[StructuredOutputRequest], timeout: float) -> None:
         """Blocks until one of `requests`' grammars is ready or `timeout` seconds pass (the
         scheduler calls it only when nothing else can run)."""

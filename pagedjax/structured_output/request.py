@@ -68,6 +68,16 @@ class StructuredOutputRequest:
         self.error = f"token {token_id} violates the {self.kind} constraint: {m.get_error()}"
         return False
 
+    def release(self) -> list:
+        """Drops this sequence's references to its compiled grammar and its own matcher, and
+        returns them in a list (for `CompilePools.release`, through the manager's `release`).
+        The matcher is a copy that shares the compiled grammar's parts, so whichever of the two
+        goes last frees the grammar (8-13 ms holding the GIL for a schema of 400 distinct
+        objects). Call once, when the sequence has ended; nothing else after."""
+        box = [self.compilation, self.compiled, self.matcher]
+        self.compilation = self.compiled = self.matcher = None
+        return box
+
     def is_terminated(self) -> bool:
         """The grammar is complete and allows nothing more (only EOS)."""
         return self.matcher is not None and self.matcher.is_stopped()
