@@ -214,10 +214,10 @@ def no_cyclic_gc():
 
 
 def test_a_settled_compilation_is_freed_where_its_last_reference_goes(pools, no_cyclic_gc):
-    """Once every run has settled (one run; an expedited one that lost; one cancelled), the
-    compilation is in no reference cycle: released, it and its result are freed on the
-    normal-priority thread, not whenever the cyclic collector runs, on any thread (it was
-    kept alive by its runs' callbacks)."""
+    """Once every run has settled (a single run; one expedited after its result, which runs
+    nothing; one whose expedited run was still queued and is cancelled), the compilation is in
+    no reference cycle: released, it and its result are freed on the normal-priority thread,
+    not whenever the cyclic collector runs, on any thread (its runs' callbacks kept it)."""
     block = threading.Event()
     pools.normal.submit(block.wait, 30)  # the expedited run of `cancelled` queues behind it
     freed: list[str] = []
