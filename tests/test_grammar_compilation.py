@@ -76,7 +76,7 @@ def test_a_compilation_starts_in_the_idle_class_and_expedites_to_normal_priority
     assert held.started.acquire(timeout=30)
     assert held.where[1] == (os.SCHED_OTHER, min(nice + comp_mod.WORKER_NICENESS, 19))
     held.release["normal"].set()
-    assert c.future.result(30)[0] == "NORMAL"
+    assert c.result(30)[0] == "NORMAL"
     held.release["idle"].set()  # the idle run ends later: its result is freed, not there
     pools.idle.submit(lambda: None).result(30)  # the idle run is done, and settled
     pools.normal.submit(lambda: None).result(30)  # and the normal thread has freed it
@@ -92,13 +92,13 @@ def test_the_idle_run_can_win_and_a_queued_run_is_cancelled(pools):
     ran = []
     c = Compilation(pools, lambda: ran.append(1) or ["x"], lambda r: r[0] * 2)
     c.expedite()
-    assert c.future.result(30) == "xx"
+    assert c.result(30) == "xx"
     block.set()
     pools.normal.submit(lambda: None).result(30)
     assert ran == [1]
     bad = Compilation(pools, lambda: ["y"], lambda r: (_ for _ in ()).throw(ValueError("bad: y")))
     with pytest.raises(ValueError, match="bad: y"):
-        bad.future.result(30)
+        bad.result(30)
 
 
 def test_a_compilation_of_shut_down_pools_is_cancelled():
@@ -110,7 +110,7 @@ def test_a_compilation_of_shut_down_pools_is_cancelled():
     c = Compilation(p, lambda: ["never"], lambda r: r)
     p.shutdown()
     block.set()
-    assert c.future.cancelled()
+    assert c.poll() and c.future.cancelled()
     c.expedite()
     assert c.future.cancelled()
 
@@ -229,7 +229,7 @@ def test_a_settled_compilation_is_freed_where_its_last_reference_goes(pools, no_
     cancelled.expedite()  # queued on the normal thread, then cancelled by the idle run's result
     held.release["idle"].set()
     for c in (plain, raced, cancelled):
-        c.future.result(30)
+        c.result(30)
     block.set()
     raced.expedite()  # after the result: nothing runs
     pools.normal.submit(lambda: None).result(30)
@@ -238,3 +238,69 @@ def test_a_settled_compilation_is_freed_where_its_last_reference_goes(pools, no_
     del plain, raced, cancelled, c
     pools.normal.submit(lambda: None).result(30)
     assert len(freed) == 3 and all(f.startswith(comp_mod.NORMAL_THREAD_NAME) for f in freed)
+
+
+class StallAfterResult:
+    """Stands in for a pool: each run's thread stalls, after the run's result is set and its
+    first done callback has run, until `go` is set, as an idle-class thread starved by the
+    steps' threads (on 2 busy cores, for as long as they keep both)."""
+
+    def __init__(self, pool):
+        self.pool = pool
+        self.go = threading.Event()
+
+    def submit(self, fn, *args):
+        run = self.pool.submit(fn, *args)
+        add = run.add_done_callback
+
+        def add_then_stall(callback):
+            add(callback)
+            add(lambda _: self.go.wait(30))
+
+        run.add_done_callback = add_then_stall
+        return run
+
+    def shutdown(self, **kw):
+        self.go.set()
+        self.pool.shutdown(**kw)
+
+
+def test_a_stalled_run_thread_holds_nothing_of_a_settled_compilation(pools, no_cyclic_gc):
+    """Once a compilation's result is out, the thread that ran it holds no reference to it or
+    its result: released while that thread is stalled (an idle-class thread waiting for a
+    core), both are freed on the normal-priority thread. They were held by the stalled thread
+    (its run's callback was bound to the compilation, and its result list held the matcher),
+    and freed there when it went on: in CI, the grammar of an ended request was freed on the
+    idle-class thread."""
+    import weakref
+
+    gate = threading.Event()
+    pools.idle.submit(gate.wait, 30)  # the run is queued, so the stall is in place before it
+    pools.idle = StallAfterResult(pools.idle)
+    freed: list[str] = []
+    c = Compilation(pools, lambda: [Named(freed)], lambda r: r[0])
+    weakref.finalize(c, lambda: freed.append("compilation: " + threading.current_thread().name))
+    gate.set()
+    assert isinstance(c.result(30), Named)
+    pools.release([c])
+    del c
+    pools.normal.submit(lambda: None).result(30)
+    pools.idle.go.set()
+    assert len(freed) == 2, freed
+    assert all(comp_mod.NORMAL_THREAD_NAME in f for f in freed), freed
+
+
+@linux
+def test_a_compilation_dropped_before_it_settles_is_cancelled_and_freed_off_the_run(pools):
+    """Dropped while its run compiles (its request aborted, the cache evicted it): a run still
+    queued never starts, and the running one's result is freed on the normal-priority thread,
+    not on the idle-class thread that ran it."""
+    held, ran = Held(), []
+    running = Compilation(pools, held, lambda r: r)
+    assert held.started.acquire(timeout=30)
+    queued = Compilation(pools, lambda: ran.append(1) or ["x"], lambda r: r)
+    del running, queued
+    held.release["idle"].set()
+    pools.idle.submit(lambda: None).result(30)  # after the runs (and their callbacks)
+    pools.normal.submit(lambda: None).result(30)  # after the release's task
+    assert ran == [] and held.freed == [os.SCHED_OTHER]

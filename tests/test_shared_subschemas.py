@@ -267,9 +267,9 @@ def test_the_manager_shares_them_on_the_normal_priority_thread(tiny_llama_dir, m
     )
     try:
         req = mgr.new_request(SO(json=repetitive_schema(80)))
-        assert not req.compiled.result(60).is_error()
+        assert not req.compilation.result(60).is_error()
         small = mgr.new_request(SO(regex="[a-c]{2}"))  # compiles without a hop
-        assert not small.compiled.result(60).is_error()
+        assert not small.compilation.result(60).is_error()
     finally:
         mgr.shutdown()
     assert len(seen) == 1 and seen[0][0].startswith(NORMAL_THREAD_NAME) and seen[0][1]

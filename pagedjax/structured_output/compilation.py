@@ -15,7 +15,10 @@ compiled after minutes), and an unprivileged thread cannot leave that class. So 
 engine has nothing else to run: the same grammar is then also submitted to a pool at normal
 priority, nice + `WORKER_NICENESS`, and the first of the two to finish gives the result (the
 other is cancelled if still queued; if running, it runs on and its result is freed on the
-normal-priority thread).
+normal-priority thread). The result is taken by the engine thread when it next looks
+(`Compilation.poll`), never handed over by the thread that ran the compile: that thread would
+hold the compiled grammar until it goes on, which an idle-class thread does only when it gets
+a core, so an ended request's grammar could be freed there, holding the GIL.
 
 Where the operator reserves CPUs for such work (`PAGEDJAX_CPU_NUM_OF_RESERVED_CPU`,
 `reserved_cpus`), both pools' threads run on those CPUs, which the steps' threads do not use:
@@ -33,9 +36,11 @@ time slice whatever its nice value; an idle-class task gives way to any waking t
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -80,6 +85,10 @@ class CompilePools:
         self.normal = concurrent.futures.ThreadPoolExecutor(
             1, NORMAL_THREAD_NAME, initializer=_lower_priority
         )
+        # its thread starts now, from this one: a thread takes its scheduling class from the
+        # thread that starts it, and one started by an idle-class thread's first submit (a
+        # release) would stay in the idle class (`_lower_priority` only changes its nice value)
+        self.normal.submit(lambda: None)
 
     def run_holding_gil(self, fn: Callable[..., Any], *args) -> Any:
         """fn(*args) on the normal-priority thread (here if this is that thread, or the pools
@@ -109,18 +118,69 @@ class CompilePools:
         self.normal.shutdown(wait=False, cancel_futures=True)
 
 
+class _Runs:
+    """A compilation's runs, as their done callbacks see them (on the threads that ran them,
+    or that cancelled them). The callbacks hold this, never the `Compilation`: a pool's thread
+    that is slow to go on after its run (an idle-class one waits for a core) then holds
+    nothing of the compiled grammar, which `Compilation.poll` takes out of the run's result
+    list and is freed where the compilation's last reference goes."""
+
+    def __init__(self, pools: CompilePools):
+        self.pools = pools
+        self.lock = threading.Lock()
+        self.submitted: list[concurrent.futures.Future] = []
+        self.ended: list[concurrent.futures.Future] = []  # before `settled`, in the order ended
+        self.settled = False  # `poll` took a result (or the compilation is gone)
+        # set once a run has finished, or every run was cancelled: `poll` can then settle
+        self.finished: concurrent.futures.Future = concurrent.futures.Future()
+
+    def on_done(self, run: concurrent.futures.Future) -> None:
+        with self.lock:
+            if not self.settled:
+                self.ended.append(run)
+                everything = len(self.ended) == len(self.submitted)
+                if (everything or not run.cancelled()) and not self.finished.done():
+                    self.finished.set_result(None)
+                return
+        self.discard(run)
+
+    def discard(self, run: concurrent.futures.Future) -> None:
+        """A run's result that will not be used: emptied on the normal-priority thread
+        (`CompilePools.release`; freeing a 400-object schema's matcher holds the GIL 13-15
+        ms, and an idle-class thread holding it could be starved while the engine thread
+        waits for it)."""
+        if not run.cancelled() and run.exception() is None:
+            self.pools.release(run.result())
+
+    def abandon(self) -> None:
+        """The compilation is gone: a queued run need not start, a result is not used."""
+        with self.lock:
+            self.settled = True
+            ended, self.ended = self.ended, []
+            pending = [r for r in self.submitted if r not in ended]
+        for run in pending:  # its callback, `on_done`, discards what it gave
+            run.cancel()
+        for run in ended:
+            self.discard(run)
+
+
 class Compilation:
     """One grammar's compilation, started on the idle-class pool.
 
     Args:
         pools: where it runs.
         compile_fn: called with no arguments on a pool's thread; returns the raw result, a
-            list (a losing run's list is emptied, its items freed on the normal thread).
+            list, which is emptied on the normal-priority thread once used or not.
         finish: turns the first raw result to arrive into `future`'s result (it may raise:
-            `future` then holds that exception); called once, under this object's lock.
+            `future` then holds that exception); called once, by `poll`.
 
-    `future` settles with the first run to finish, and a run still queued then is cancelled;
-    `future` is cancelled only when every run was (the pools shut down before they ran).
+    `future` is settled by `poll`, on the thread that calls it (the engine's, each step for a
+    request that waits for its grammar), with the first run to have finished, and a run still
+    queued then is cancelled; `future` is cancelled only when every run was (the pools shut
+    down before they ran). The pools' threads hold no reference to this object (`_Runs`), so
+    it and its result are freed where its last reference goes (`CompilePools.release` puts
+    that on the normal-priority thread); dropped before it settled, its queued runs are
+    cancelled and a result is freed there too.
     """
 
     def __init__(
@@ -129,71 +189,73 @@ class Compilation:
         self.future: concurrent.futures.Future = concurrent.futures.Future()
         self.started = time.monotonic()
         self.expedited = False
-        self._pools = pools
         self._compile = compile_fn
         self._finish = finish
-        self._lock = threading.Lock()
-        self._runs = 1  # submitted and not settled
-        self._submitted = [pools.idle.submit(compile_fn)]
-        self._submitted[0].add_done_callback(self._settle)
+        self._runs = _Runs(pools)
+        self._submit(pools.idle)
+        weakref.finalize(self, self._runs.abandon).atexit = False
+
+    def _submit(self, pool: concurrent.futures.ThreadPoolExecutor) -> None:
+        run = pool.submit(self._compile)
+        with self._runs.lock:
+            self._runs.submitted.append(run)
+        run.add_done_callback(self._runs.on_done)
 
     def expedite(self) -> None:
-        """Also runs it on the normal-priority pool (once; nothing if it is done)."""
-        with self._lock:
-            if self.expedited or self.future.done():
+        """Also runs it on the normal-priority pool (once; nothing if it is settled)."""
+        with self._runs.lock:
+            if self.expedited or self._runs.settled:
                 return
             self.expedited = True
-            self._runs += 1
+        with contextlib.suppress(RuntimeError):  # the pools are shut down: nothing runs
+            self._submit(self._runs.pools.normal)
+
+    def poll(self) -> bool:
+        """Settles `future` here if a run has finished (or every run was cancelled); True
+        once `future` is done. Cheap when nothing has: a lock and a list."""
+        if self.future.done():
+            return True
+        runs = self._runs
+        with runs.lock:
+            if runs.settled:  # by another thread's poll, which is setting it
+                return False
+            results = [r for r in runs.ended if not r.cancelled()]
+            if not results and len(runs.ended) < len(runs.submitted):
+                return False
+            runs.settled = True
+            pending = [r for r in runs.submitted if r not in runs.ended]
+            runs.ended = []
+        for run in pending:  # a run still queued need not start (outside the lock: its
+            run.cancel()  # callback, `on_done`, runs here and discards what it gave)
+        if not results:  # every run cancelled
+            self.future.cancel()
+            self.future.set_running_or_notify_cancel()  # wakes its waiters
+            return True
+        for run in results[1:]:
+            runs.discard(run)
+        won = results[0]
         try:
-            run = self._pools.normal.submit(self._compile)
-        except RuntimeError:  # the pools are shut down
-            with self._lock:
-                self._runs -= 1
-                if self._runs == 0:
-                    self._forget_runs()
-            return
-        self._submitted.append(run)
-        run.add_done_callback(self._settle)
+            result = self._finish(won.result())
+        except Exception as e:  # the compile's own error, or finish's
+            self.future.set_exception(e)
+        else:
+            self.future.set_result(result)
+        runs.discard(won)  # its list: `finish` keeps what it needs
+        return True
 
-    def _settle(self, run: concurrent.futures.Future) -> None:
-        with self._lock:
-            self._runs -= 1
-            try:
-                if self.future.done():
-                    self._discard(run)
-                    return
-                if run.cancelled():
-                    if self._runs == 0:
-                        self.future.cancel()
-                        self.future.set_running_or_notify_cancel()  # wakes its waiters
-                    return
-                try:
-                    result = self._finish(run.result())
-                except Exception as e:  # the compile's own error, or finish's
-                    self.future.set_exception(e)
-                else:
-                    self.future.set_result(result)
-                pending = self._submitted
-            finally:
-                if self._runs == 0:  # every run settled: see `_forget_runs`
-                    self._forget_runs()
-        for other in pending:  # a run still queued need not start (outside the lock:
-            other.cancel()  # cancelling runs its callback, this method, here)
+    def result(self, timeout: float | None = None) -> Any:
+        """Waits up to `timeout` seconds (None: no limit) for a run to finish, settles, and
+        returns `future`'s result. Raises its exception, CancelledError, or TimeoutError."""
+        concurrent.futures.wait([self._runs.finished], timeout)
+        self.poll()
+        return self.future.result(0)
 
-    def _forget_runs(self) -> None:
-        """Drops the runs' futures once each has settled. Each holds `_settle` bound to this
-        object, so while this object holds them it is in a reference cycle, which only Python's
-        cyclic collector frees, on whatever thread it happens to run (often the engine's);
-        without the cycle it is freed where its last reference goes, which
-        `CompilePools.release` puts on the normal-priority thread."""
-        self._submitted = []
 
-    def _discard(self, run: concurrent.futures.Future) -> None:
-        """Frees a losing run's result on the normal-priority thread: freeing a large matcher
-        holds the GIL (13-15 ms for a 400-object schema's), and an idle-class thread holding
-        it could be starved while the engine thread waits for it. The result is a list, which
-        the normal thread empties (`CompilePools.release`)."""
-        self._submitted = [f for f in self._submitted if f is not run]
-        if run.cancelled() or run.exception() is not None:
-            return
-        self._pools.release(run.result())
+def wait_any(compilations: list[Compilation], timeout: float) -> None:
+    """Blocks until one of `compilations` can settle (`Compilation.poll`), or `timeout`
+    seconds pass."""
+    concurrent.futures.wait(
+        [c._runs.finished for c in compilations],
+        timeout=timeout,
+        return_when=concurrent.futures.FIRST_COMPLETED,
+    )

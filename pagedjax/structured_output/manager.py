@@ -30,7 +30,6 @@ until `take_timings` drains them (at most `TIMINGS_KEPT` of each), and `stats` k
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import functools
 import logging
 import os
@@ -42,7 +41,7 @@ import llguidance.numpy as llg_np
 import numpy as np
 
 from pagedjax.sampling_params import StructuredOutputsParams
-from pagedjax.structured_output.compilation import Compilation, CompilePools
+from pagedjax.structured_output.compilation import Compilation, CompilePools, wait_any
 from pagedjax.structured_output.grammar import INLINE_JSON, compile_error_message, grammar_text
 from pagedjax.structured_output.request import StructuredOutputRequest
 from pagedjax.structured_output.shared_subschemas import shared_form
@@ -89,7 +88,7 @@ class StructuredOutputManager:
         self._tokenizer = self._pools.normal.submit(self._build_tokenizer)
         self._executor: llg.LLExecutor | None = None
         self._cache: collections.OrderedDict = collections.OrderedDict()
-        self._lock = threading.RLock()  # re-entered when a compile settles at once
+        self._lock = threading.RLock()
         self._compile_s: collections.deque = collections.deque(maxlen=TIMINGS_KEPT)
         self._fill_s: collections.deque = collections.deque(maxlen=TIMINGS_KEPT)
         # totals since start: grammars compiled, their seconds, bitmask fills, their seconds
@@ -110,23 +109,28 @@ class StructuredOutputManager:
         return tok
 
     def _compile(self, text: str) -> list:
-        """On a pool's thread: [the grammar's matcher (perhaps in error), its seconds]."""
+        """On a pool's thread: [the grammar's matcher (perhaps in error), its seconds, the
+        compile error's message or None]. The message is made here, not by `_finish` on the
+        engine thread: for a large schema it compiles the schema again."""
         tokenizer = self._tokenizer.result()
         t0 = time.perf_counter()
+        compiled = text
         if text.startswith(INLINE_JSON):  # a large schema: its repeated subschemas shared
-            text = self._pools.run_holding_gil(shared_form, text)
-        matcher = llg.LLMatcher(tokenizer, text, log_level=0)
-        return [matcher, time.perf_counter() - t0]
+            compiled = self._pools.run_holding_gil(shared_form, text)
+        matcher = llg.LLMatcher(tokenizer, compiled, log_level=0)
+        dt = time.perf_counter() - t0
+        error = compile_error_message(text, matcher.get_error()) if matcher.is_error() else None
+        return [matcher, dt, error]
 
-    def _finish(self, text: str, compiled: list) -> llg.LLMatcher:
-        """The first compile of `text` to finish: counted, and its matcher or its error."""
-        matcher, dt = compiled
+    def _finish(self, compiled: list) -> llg.LLMatcher:
+        """The first compile to finish (`Compilation.poll`, on the engine thread): counted, and
+        its matcher or its error."""
+        matcher, dt, error = compiled
         with self._lock:
             self._compile_s.append(dt)
             self.stats["compiles"] += 1
             self.stats["compile_s"] += dt
-        if matcher.is_error():
-            error = compile_error_message(text, matcher.get_error())
+        if error is not None:
             raise ValueError(f"the grammar does not compile: {error}")
         return matcher
 
@@ -145,7 +149,7 @@ class StructuredOutputManager:
                 comp = Compilation(
                     self._pools,
                     functools.partial(self._compile, text),
-                    functools.partial(self._finish, text),
+                    self._finish,
                 )
                 self._cache[key] = comp
                 while len(self._cache) > CACHE_SIZE:  # the oldest freed off this thread
@@ -163,11 +167,7 @@ class StructuredOutputManager:
     def wait_any(self, requests: list[StructuredOutputRequest], timeout: float) -> None:
         """Blocks until one of `requests`' grammars is ready or `timeout` seconds pass (the
         scheduler calls it only when nothing else can run)."""
-        concurrent.futures.wait(
-            [r.compiled for r in requests],
-            timeout=timeout,
-            return_when=concurrent.futures.FIRST_COMPLETED,
-        )
+        wait_any([r.compilation for r in requests], timeout)
 
     # ----------------------------------------------------------------- bitmasks
 

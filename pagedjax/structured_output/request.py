@@ -26,7 +26,7 @@ class StructuredOutputRequest:
         compilation: what compiles its grammar (`compilation.Compilation`, shared by every
             request with the same constraint). Its `future` is `compiled`: the grammar's
             initial `llguidance.LLMatcher` (never advanced; copied per sequence), raising the
-            compile error if the grammar is invalid.
+            compile error if the grammar is invalid; it is settled by `is_ready`.
     """
 
     def __init__(self, kind: str, compilation: Compilation):
@@ -37,8 +37,9 @@ class StructuredOutputRequest:
         self.error: str | None = None  # why the sequence cannot go on, once it cannot
 
     def is_ready(self) -> bool:
-        """The grammar finished compiling (successfully or not)."""
-        return self.compiled.done()
+        """The grammar finished compiling (successfully or not); takes its result if a run
+        has just finished (`Compilation.poll`)."""
+        return self.compilation.poll()
 
     def waited(self) -> float:
         """Seconds since its grammar's compilation started."""
