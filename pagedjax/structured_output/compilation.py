@@ -246,9 +246,11 @@ class Compilation:
     def result(self, timeout: float | None = None) -> Any:
         """Waits up to `timeout` seconds (None: no limit) for a run to finish, settles, and
         returns `future`'s result. Raises its exception, CancelledError, or TimeoutError."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         concurrent.futures.wait([self._runs.finished], timeout)
-        self.poll()
-        return self.future.result(0)
+        self.poll()  # (or another thread's poll is settling it: waits for that)
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        return self.future.result(left)
 
 
 def wait_any(compilations: list[Compilation], timeout: float) -> None:
