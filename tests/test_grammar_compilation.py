@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 import os
 import threading
+import weakref
 
 import pytest
 
@@ -272,8 +273,6 @@ def test_a_stalled_run_thread_holds_nothing_of_a_settled_compilation(pools, no_c
     (its run's callback was bound to the compilation, and its result list held the matcher),
     and freed there when it went on: in CI, the grammar of an ended request was freed on the
     idle-class thread."""
-    import weakref
-
     gate = threading.Event()
     pools.idle.submit(gate.wait, 30)  # the run is queued, so the stall is in place before it
     pools.idle = StallAfterResult(pools.idle)

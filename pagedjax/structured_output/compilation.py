@@ -134,15 +134,31 @@ class _Runs:
         # set once a run has finished, or every run was cancelled: `poll` can then settle
         self.finished: concurrent.futures.Future = concurrent.futures.Future()
 
+    def _can_settle(self) -> bool:
+        """A run has finished, or every run was cancelled (call under `lock`)."""
+        return len(self.ended) == len(self.submitted) or any(not r.cancelled() for r in self.ended)
+
     def on_done(self, run: concurrent.futures.Future) -> None:
         with self.lock:
             if not self.settled:
                 self.ended.append(run)
-                everything = len(self.ended) == len(self.submitted)
-                if (everything or not run.cancelled()) and not self.finished.done():
+                if self._can_settle() and not self.finished.done():
                     self.finished.set_result(None)
                 return
         self.discard(run)
+
+    def settle(self, force: bool = False) -> list[concurrent.futures.Future] | None:
+        """Marks it settled, if it can be (`force`: in any case; None if it cannot, or already
+        is), cancels the runs still queued, and returns those that ended before, in order."""
+        with self.lock:
+            if self.settled or not (force or self._can_settle()):
+                return None
+            self.settled = True
+            ended, self.ended = self.ended, []
+            pending = [r for r in self.submitted if r not in ended]
+        for run in pending:  # a run still queued need not start (outside the lock: its
+            run.cancel()  # callback, `on_done`, runs here and discards what it gave)
+        return ended
 
     def discard(self, run: concurrent.futures.Future) -> None:
         """A run's result that will not be used: emptied on the normal-priority thread
@@ -154,13 +170,7 @@ class _Runs:
 
     def abandon(self) -> None:
         """The compilation is gone: a queued run need not start, a result is not used."""
-        with self.lock:
-            self.settled = True
-            ended, self.ended = self.ended, []
-            pending = [r for r in self.submitted if r not in ended]
-        for run in pending:  # its callback, `on_done`, discards what it gave
-            run.cancel()
-        for run in ended:
+        for run in self.settle(force=True) or []:
             self.discard(run)
 
 
@@ -216,17 +226,10 @@ class Compilation:
         if self.future.done():
             return True
         runs = self._runs
-        with runs.lock:
-            if runs.settled:  # by another thread's poll, which is setting it
-                return False
-            results = [r for r in runs.ended if not r.cancelled()]
-            if not results and len(runs.ended) < len(runs.submitted):
-                return False
-            runs.settled = True
-            pending = [r for r in runs.submitted if r not in runs.ended]
-            runs.ended = []
-        for run in pending:  # a run still queued need not start (outside the lock: its
-            run.cancel()  # callback, `on_done`, runs here and discards what it gave)
+        ended = runs.settle()
+        if ended is None:  # nothing finished yet, or another thread's poll is settling it
+            return False
+        results = [r for r in ended if not r.cancelled()]
         if not results:  # every run cancelled
             self.future.cancel()
             self.future.set_running_or_notify_cancel()  # wakes its waiters
